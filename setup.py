@@ -7,6 +7,7 @@ MOE_RELEASE_BASE to build another pinned base (see patches/pins.toml).
 """
 
 import os
+import shutil
 import sys
 import tomllib
 from pathlib import Path
@@ -26,9 +27,10 @@ def _materialized_tree() -> tuple[moe_release.Tree, str]:
         tree = moe_release.load_tree(os.environ.get("MOE_RELEASE_BASE") or None)
     except moe_release.UserError as exc:
         sys.exit(f"moe-release setup.py: error: {exc}")
+    # Written afresh on every build: a tree left by an earlier build may predate a tooling change.
     rel = f"build/moe-release/{tree.version}"
-    if not (ROOT / rel).exists():
-        moe_release.write_tree_atomic(tree.files, ROOT / rel)
+    shutil.rmtree(ROOT / rel, ignore_errors=True)
+    moe_release.write_tree_atomic(tree.files, ROOT / rel)
     return tree, rel
 
 

@@ -1,0 +1,80 @@
+"""The drop-in wheel: `pip install .` replaces upstream megatron-core 0.19.2 in a real venv.
+
+The venv is a hard-linked copy of the one running the tests (it already holds torch), so no
+multi-GB install is repeated; pip only ever replaces files in the copy, never writes into them.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import moe_release as mr
+import pytest
+from conftest import REPO_ROOT
+from packaging.requirements import Requirement
+
+pytestmark = pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs to run in a venv")
+
+
+def pip(python: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(python), "-m", "pip", "--disable-pip-version-check", *args],
+        capture_output=True, text=True, cwd="/",
+    )  # fmt: skip
+
+
+def ok(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return result.stdout
+
+
+@pytest.fixture
+def venv(tmp_path: Path) -> Path:
+    """A copy of the test venv without any megatron-core, holding upstream 0.19.2 instead."""
+    dest = tmp_path / "venv"
+    subprocess.run(["cp", "-al", sys.prefix, str(dest)], check=True)
+    python = dest / "bin" / "python"
+    pip(python, "uninstall", "--yes", "megatron-core")
+    ok(pip(python, "install", "--no-deps", "--only-binary", ":all:", "megatron-core==0.19.2"))
+    return python
+
+
+def test_pip_install_replaces_upstream_and_verify_tells_them_apart(venv):
+    version = mr.load_tree().version
+    ok(pip(venv, "install", str(REPO_ROOT)))
+    installed = json.loads(ok(pip(venv, "list", "--format=json")))
+    listed = [p for p in installed if p["name"] == "megatron-core"]
+    assert listed == [{"name": "megatron-core", "version": version}]
+    ok(pip(venv, "check"))
+    show = ok(pip(venv, "show", "megatron-core"))
+    assert f"Version: {version}\n" in show and show.count("+") == 1
+    # Dependents pinning the upstream release accept the overlay.
+    for spec in ("megatron-core==0.19.2", "megatron-core>=0.19", "megatron-core~=0.19.0"):
+        assert Requirement(spec).specifier.contains(version), spec
+    # The imported package reports the label exactly once, also without NO_VCS_VERSION.
+    probe = (
+        "import warnings; warnings.simplefilter('ignore'); import megatron.core as m; "
+        "print(m.__version__); print(m.__file__)"
+    )
+    out = subprocess.run(
+        [str(venv), "-c", probe], capture_output=True, text=True, cwd="/", env={"PATH": "/usr/bin"}
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    got_version, got_file = out.stdout.strip().splitlines()[-2:]
+    assert got_version == version and got_file.startswith(str(venv.parent.parent))
+    # verify: OK for the overlay ...
+    script = str(REPO_ROOT / "scripts" / "moe_release.py")
+    result = subprocess.run(
+        [sys.executable, script, "verify", "--python", str(venv)], capture_output=True, text=True
+    )
+    assert result.returncode == 0 and result.stdout.startswith(f"OK: megatron-core {version}")
+    # ... and MISMATCH once something like `pip install -U` silently put upstream back.
+    ok(pip(venv, "install", "--no-deps", "--force-reinstall", "--only-binary", ":all:",
+           "megatron-core==0.19.2"))  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, script, "verify", "--python", str(venv)], capture_output=True, text=True
+    )
+    assert result.returncode == 1 and result.stdout.startswith("MISMATCH:")
+    assert "installed distribution is megatron-core 0.19.2, expected" in result.stdout
+    assert "megatron/core/transformer/moe/router.py: differs from the series" in result.stdout
