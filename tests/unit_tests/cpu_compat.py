@@ -1,0 +1,168 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""CPU compatibility for running megatron-core's real MoE code in tests.
+
+Three kinds of help, each as narrow as the spot it covers:
+
+* :func:`load_deep_ep_emulation` loads the overlay's ``deep_ep_emulation.py`` by file path, so
+  registering it as ``deep_ep`` does not import megatron-core first.
+* :func:`install_cpu_rng_shim` gives ``tensor_parallel.random`` a CPU stand-in for the CUDA
+  generator (a dedicated ``torch.Generator``), set synchronously. Test fixture, not a patch:
+  upstream's checkpointing is CUDA-RNG by design and a host generator there would change what
+  production code saves.
+* :func:`install_base_tree_shims` covers, only where the tree still needs it (the pristine
+  base; patch 1 fixes both at the source), ``_HybridEPManager.over_budget`` allocated with
+  ``device='cuda'`` and ``Router.gating`` moving host weights to
+  ``torch.cuda.current_device()``.
+"""
+
+import functools
+import importlib.util
+import inspect
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+EMULATION_MODULE = "megatron.core.transformer.moe.deep_ep_emulation"
+
+
+def load_deep_ep_emulation(tree: str) -> types.ModuleType:
+    """Load ``<tree>/megatron/core/transformer/moe/deep_ep_emulation.py`` without megatron.
+
+    It is registered under its package name as well, so a later
+    ``import megatron.core.transformer.moe.deep_ep_emulation`` returns the same module.
+    """
+    if EMULATION_MODULE in sys.modules:
+        return sys.modules[EMULATION_MODULE]
+    path = Path(tree) / "megatron/core/transformer/moe/deep_ep_emulation.py"
+    spec = importlib.util.spec_from_file_location(EMULATION_MODULE, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[EMULATION_MODULE] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[EMULATION_MODULE]
+        raise
+    return module
+
+
+class _Proxy(types.ModuleType):
+    """A module stand-in that overrides a few attributes and forwards the rest."""
+
+    def __init__(self, target, **overrides):
+        super().__init__(getattr(target, "__name__", "proxy"))
+        self.__dict__["_target"] = target
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_target"], name)
+
+
+_SHADOW_CUDA_GENERATOR = torch.Generator()
+
+
+def _shadow_get_state(*args, **kwargs) -> torch.Tensor:
+    return _SHADOW_CUDA_GENERATOR.get_state()
+
+
+def _shadow_set_state(new_state: torch.Tensor, *args, **kwargs) -> None:
+    # Set now: the real _set_cuda_rng_state queues a lazy call that never runs without CUDA,
+    # which both loses the state and keeps every state tensor alive.
+    _SHADOW_CUDA_GENERATOR.set_state(new_state)
+
+
+def _shadow_manual_seed(seed: int) -> None:
+    _SHADOW_CUDA_GENERATOR.manual_seed(seed)
+
+
+def install_cpu_rng_shim() -> None:
+    """Route ``tensor_parallel.random``'s CUDA RNG calls to a host generator (idempotent)."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    if getattr(tp_random, "_moe_release_cpu_rng_shim", False) or torch.cuda.is_available():
+        return
+    tp_random._get_cuda_rng_state = _shadow_get_state
+    tp_random._set_cuda_rng_state = _shadow_set_state
+    cuda = _Proxy(
+        torch.cuda,
+        get_rng_state=_shadow_get_state,
+        set_rng_state=_shadow_set_state,
+        manual_seed=_shadow_manual_seed,
+    )
+    tp_random.torch = _Proxy(torch, cuda=cuda)
+    tp_random._moe_release_cpu_rng_shim = True
+
+
+def _needs_over_budget_shim() -> bool:
+    from megatron.core.transformer.moe.token_dispatcher import _HybridEPManager
+
+    source = inspect.getsource(_HybridEPManager.__init__)
+    return "device='cuda'" in source and "is_available()" not in source
+
+
+def _needs_router_shim() -> bool:
+    from megatron.core.transformer.moe.router import Router
+
+    source = inspect.getsource(Router.gating)
+    return "current_device()" in source and "is_available()" not in source
+
+
+def install_base_tree_shims() -> list:
+    """Cover the two CUDA-only spots patch 1 fixes, only when the tree lacks the fix.
+
+    Returns the names of the shims installed (empty on the patched tree).
+    """
+    if torch.cuda.is_available():
+        return []
+    installed = []
+    if _needs_over_budget_shim():
+        from megatron.core.transformer.moe import token_dispatcher
+
+        manager = token_dispatcher._HybridEPManager
+        original = manager.__init__
+
+        def zeros_on_host(*args, device=None, **kwargs):
+            return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+        @functools.wraps(original)
+        def __init__(self, *args, **kwargs):
+            # Only the module global `torch` seen while the constructor runs is swapped.
+            saved = token_dispatcher.torch
+            token_dispatcher.torch = _Proxy(torch, zeros=zeros_on_host)
+            try:
+                original(self, *args, **kwargs)
+            finally:
+                token_dispatcher.torch = saved
+
+        manager.__init__ = __init__
+        installed.append("over_budget")
+    if _needs_router_shim():
+        from megatron.core.transformer.moe import router
+
+        original_gating = router.Router.gating
+
+        @functools.wraps(original_gating)
+        def gating(self, input):
+            saved = router.torch
+            router.torch = _Proxy(torch, cuda=_Proxy(torch.cuda, current_device=lambda: "cpu"))
+            try:
+                return original_gating(self, input)
+            finally:
+                router.torch = saved
+
+        router.Router.gating = gating
+        installed.append("router_device")
+    return installed
+
+
+def teardown_megatron_state() -> None:
+    """Drop parallel state and the module-global DeepEP/HybridEP buffers, if imported."""
+    fused_a2a = sys.modules.get("megatron.core.transformer.moe.fused_a2a")
+    if fused_a2a is not None:
+        fused_a2a.reset_hybrid_ep_buffer()
+        fused_a2a._buffer = None
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None:
+        parallel_state.destroy_model_parallel()
