@@ -20,7 +20,7 @@ import ctypes
 import ctypes.util
 import gc
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -240,11 +240,24 @@ def _libc():
 
 _LIBC = _libc()
 
+# An exact host counter (bytes of live CPU tensor storage), when the process has one installed;
+# see set_host_allocated_bytes. Without one, glibc's malloc statistics stand in.
+_HOST_ALLOCATED_BYTES: Optional[Callable[[], int]] = None
+
+
+def set_host_allocated_bytes(counter: Optional[Callable[[], int]]) -> None:
+    """Use ``counter()`` for host allocator accounting (e.g. a counting CPU allocator)."""
+    global _HOST_ALLOCATED_BYTES
+    _HOST_ALLOCATED_BYTES = counter
+
 
 def allocated_bytes(device: Optional[torch.device] = None) -> int:
-    """Bytes the allocator has handed out: CUDA caching allocator, or glibc malloc on host."""
+    """Bytes the allocator has handed out: CUDA caching allocator; on host the registered
+    counter, or else glibc malloc's in-use bytes."""
     if device is not None and torch.device(device).type == "cuda":
         return torch.cuda.memory_allocated(device)
+    if _HOST_ALLOCATED_BYTES is not None:
+        return _HOST_ALLOCATED_BYTES()
     if _LIBC is None:
         raise RuntimeError("host allocator accounting needs glibc's mallinfo2")
     info = _LIBC.mallinfo2()

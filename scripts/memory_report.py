@@ -1,0 +1,395 @@
+#!/usr/bin/env python3
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""Side-by-side memory report: unpatched megatron-core against the moe-release series.
+
+One invocation runs the same small MoE training job (megatron-core GPTModel, MoE layers with
+the flex dispatcher and HybridEP, every layer checkpointed, EP=2 over gloo) on the pristine base
+and on the patched tree, in separate processes with the same seeds, and prints per rank: memory
+held between calls, cold and warm peaks (allocator level), bytes each MoE layer's dispatcher
+keeps alive between calls, the median step time of interleaved timing runs, and whether losses
+and gradients are bitwise equal. A sweep over layers x tokens shows how retained memory grows
+with work. Figures go to JSON and a PNG next to it; `--record-golden` writes golden values.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+import moe_release  # noqa: E402
+
+WORKER = "scripts.moe_report_worker"
+MAIN = dict(
+    layers=4, tokens=2048, seq=256, hidden=64, ffn=128, heads=4, experts=8, topk=2, vocab=1024,
+    backend="hybridep", seed=1234, steps=5,
+)  # fmt: skip
+QUICK = dict(MAIN, layers=2, tokens=512, seq=128, steps=3)
+SWEEP_LAYERS = (2, 4, 8)
+SWEEP_TOKENS = (1024, 4096, 16384)
+GOLDEN_CONFIG = dict(MAIN, layers=3, tokens=512, seq=128, steps=4)
+WORLD = 2
+
+
+def log(msg: str) -> None:
+    """Progress on stderr."""
+    print(f"[memory-report {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def trees() -> Tuple[str, str]:
+    """(base tree, patched tree): from the environment, or materialized under .build/trees."""
+    base = os.environ.get("MOE_RELEASE_BASE_TREE")
+    patched = os.environ.get("MOE_RELEASE_TREE")
+    if base and patched:
+        return base, patched
+    out = []
+    for series in (False, True):
+        tree = moe_release.load_tree(series=series)
+        dest = REPO_ROOT / ".build" / "trees" / (("" if series else "base-") + tree.version)
+        if not dest.exists():
+            moe_release.write_tree_atomic(tree.files, dest)
+        out.append(str(dest))
+    return out[0], out[1]
+
+
+def run(tree: str, target: str, cfg: Dict[str, Any], timeout: float = 900) -> List[Any]:
+    """Run a worker function on WORLD ranks over the given tree."""
+    from tests.unit_tests.dist_utils import run_distributed
+
+    return run_distributed(f"{WORKER}:{target}", WORLD, tree, kwargs={"cfg": cfg}, timeout=timeout)
+
+
+def bitwise_equal(a: List[Dict[str, Any]], b: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Compare losses, grad norms, gradients and updated parameters of two runs, every rank."""
+    import torch
+
+    losses = all(x["losses"] == y["losses"] for x, y in zip(a, b))
+    norms = all(x["grad_norms"] == y["grad_norms"] for x, y in zip(a, b))
+    grads = params = 0
+    mismatched = []
+    for x, y in zip(a, b):
+        for kind in ("grads", "params"):
+            if x[kind].keys() != y[kind].keys():
+                mismatched.append(f"rank {x['rank']} {kind}: different names")
+                continue
+            for name in x[kind]:
+                if torch.equal(x[kind][name], y[kind][name]):
+                    if kind == "grads":
+                        grads += 1
+                    else:
+                        params += 1
+                else:
+                    mismatched.append(f"rank {x['rank']} {kind} {name}")
+    return {
+        "losses": losses,
+        "grad_norms": norms,
+        "tensors_equal": grads + params,
+        "mismatched": mismatched,
+        "all": losses and norms and not mismatched,
+    }
+
+
+def summarize(res: Dict[str, Any]) -> Dict[str, Any]:
+    """Per-rank memory figures of one measured run."""
+    marks = res["marks"]
+    steps = len(res["losses"])
+    warm = [marks[f"step{s}:peak"] for s in range(1, steps)]
+    return {
+        "held_between_calls": marks[f"step{steps - 1}:end"],
+        "held_after_first_call": marks["step0:end"],
+        "model_and_optimizer": marks["built"],
+        "cold_peak": marks["step0:peak"],
+        "warm_peak": max(warm) if warm else None,
+        "dispatcher_held_bytes": res["dispatcher_held_bytes"],
+        "dispatcher_attribution": res["attribution"],
+        "losses": res["losses"],
+        "grad_norms": res["grad_norms"],
+    }
+
+
+def timing(base: str, patched: str, cfg: Dict[str, Any], rounds: int) -> Dict[str, Any]:
+    """Interleaved timing runs (base, patched, base, ...): median warm step time per variant."""
+    samples: Dict[str, List[float]] = {"base": [], "patched": []}
+    for r in range(rounds):
+        for name, tree in (("base", base), ("patched", patched)):
+            log(f"timing round {r + 1}/{rounds}: {name}")
+            res = run(tree, "train", dict(cfg, measure=False))
+            # A step takes as long as its slowest rank; step 0 (cold) is left out.
+            per_step = [max(rk["step_times"][s] for rk in res) for s in range(1, cfg["steps"])]
+            samples[name].extend(per_step)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    return {"samples": samples, "median": med, "ratio": med["patched"] / med["base"]}
+
+
+def fmt_bytes(n: Optional[int]) -> str:
+    return "-" if n is None else f"{n:,}"
+
+
+def ratio(a: Optional[int], b: Optional[int]) -> str:
+    return "-" if not a or b is None else f"{b / a:.3f}"
+
+
+def table(report: Dict[str, Any]) -> str:
+    """The side-by-side table, one block per rank."""
+    lines = []
+    cfg = report["config"]
+    lines.append(
+        f"megatron-core {report['versions']['base']} vs {report['versions']['patched']}"
+        f" | GPTModel, {cfg['layers']} MoE layers, {cfg['experts']} experts top-{cfg['topk']},"
+        f" hidden {cfg['hidden']}, {cfg['tokens']} tokens/rank, EP={WORLD} (gloo, CPU),"
+        f" full recompute, {cfg['steps']} steps"
+    )
+    head = f"{'':34}{'base':>16}{'patched':>16}{'patched/base':>14}"
+    for rank, (b, p) in enumerate(zip(report["base"], report["patched"])):
+        lines += ["", f"rank {rank} (bytes, allocator level)", head]
+        for key, label in (
+            ("held_between_calls", "memory held between calls"),
+            ("cold_peak", "cold peak (incl. held before)"),
+            ("warm_peak", "warm peak (incl. held before)"),
+        ):
+            cells = f"{fmt_bytes(b[key]):>16}{fmt_bytes(p[key]):>16}{ratio(b[key], p[key]):>14}"
+            lines.append(f"{label:34}{cells}")
+        for i, (x, y) in enumerate(zip(b["dispatcher_held_bytes"], p["dispatcher_held_bytes"])):
+            lines.append(f"{'dispatcher-held, MoE layer ' + str(i):34}{x:>16,}{y:>16,}{'':>14}")
+    t = report["timing"]
+    lines += [
+        "",
+        f"{'median warm step time (s)':34}{t['median']['base']:>16.4f}"
+        f"{t['median']['patched']:>16.4f}{t['ratio']:>14.3f}",
+    ]
+    eq = report["bitwise"]
+    lines.append(
+        f"losses bitwise equal: {'yes' if eq['losses'] else 'NO'}; grad norms: "
+        f"{'yes' if eq['grad_norms'] else 'NO'}; gradients and updated parameters: "
+        f"{eq['tensors_equal']} tensors equal, {len(eq['mismatched'])} differ"
+    )
+    if report.get("sweep"):
+        lines += ["", "sweep: memory held between calls (rank 0, bytes) / dispatcher-held total"]
+        lines.append(f"{'layers x tokens':20}{'base':>26}{'patched':>26}")
+        for b, p in zip(report["sweep"]["base"], report["sweep"]["patched"]):
+            lines.append(
+                f"{str(b['layers']) + ' x ' + str(b['tokens']):20}"
+                f"{b['held']:>14,} / {sum(b['dispatcher_held_bytes']):>9,}"
+                f"{p['held']:>14,} / {sum(p['dispatcher_held_bytes']):>9,}"
+            )
+    lines += ["", "targets:"] + [f"  {k}: {v}" for k, v in report["targets"].items()]
+    return "\n".join(lines)
+
+
+def targets(report: Dict[str, Any]) -> Dict[str, str]:
+    """The issue's targets, measured."""
+    out = {}
+    for rank, (b, p) in enumerate(zip(report["base"], report["patched"])):
+        retained = sum(b["dispatcher_held_bytes"])
+        per_layer = max(b["dispatcher_held_bytes"])
+        drop = b["held_between_calls"] - p["held_between_calls"]
+        out[f"rank {rank} patched dispatcher-held bytes"] = (
+            f"{sum(p['dispatcher_held_bytes'])} (target 0): "
+            + ("met" if sum(p["dispatcher_held_bytes"]) == 0 else "NOT met")
+        )
+        out[f"rank {rank} held-between-calls reduction"] = (
+            f"{drop:,} B vs base retained state {retained:,} B: "
+            + ("met" if drop >= retained else "NOT met")
+        )
+        others = retained - per_layer
+        wdrop = b["warm_peak"] - p["warm_peak"]
+        out[f"rank {rank} warm peak reduction"] = (
+            f"{wdrop:,} B vs other layers' retained state {others:,} B: "
+            + ("met" if wdrop >= others else "NOT met")
+        )
+    r = report["timing"]["ratio"]
+    out["step time ratio patched/base"] = f"{r:.3f} (target <= 1.02): " + (
+        "met" if r <= 1.02 else "NOT met"
+    )
+    return out
+
+
+def plot(report: Dict[str, Any], path: Path) -> None:
+    """Memory over one warm step (base vs patched) and the sweep, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    ax = axes[0]
+    for name, style in (("base", "-"), ("patched", "-")):
+        tl = report["timeline"].get(name)
+        if tl and tl["t_ms"]:
+            # Time as a fraction of the step, so runs of different speed line up.
+            end = tl["t_ms"][-1] or 1.0
+            ax.plot([t / end for t in tl["t_ms"]], [b / 2**20 for b in tl["bytes"]], style,
+                    label=f"{name} ({end:.0f} ms)")  # fmt: skip
+    ax.set_title("rank 0: live allocator bytes during the last (warm) step")
+    ax.set_xlabel("fraction of the step")
+    ax.set_ylabel("MiB")
+    ax.legend()
+    ax = axes[1]
+    sweep = report.get("sweep")
+    if sweep:
+        for name, marker in (("base", "o"), ("patched", "s")):
+            for layers in SWEEP_LAYERS:
+                pts = [p for p in sweep[name] if p["layers"] == layers]
+                ax.plot(
+                    [p["tokens"] for p in pts],
+                    [sum(p["dispatcher_held_bytes"]) / 2**20 for p in pts],
+                    marker=marker,
+                    linestyle="-" if name == "base" else "--",
+                    label=f"{name}, {layers} layers",
+                )
+        ax.set_xscale("log", base=2)
+        ax.set_title("dispatcher-held memory between calls (rank 0)")
+        ax.set_xlabel("tokens per rank")
+        ax.set_ylabel("MiB")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def measure(base: str, patched: str, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """One measured run per variant: memory figures, timelines, and bitwise comparison."""
+    runs = {}
+    for name, tree in (("base", base), ("patched", patched)):
+        log(f"measured run: {name} ({Path(tree).name})")
+        runs[name] = run(tree, "train", dict(cfg, measure=True, timeline=True, grads=True))
+    return {
+        "base": [summarize(r) for r in runs["base"]],
+        "patched": [summarize(r) for r in runs["patched"]],
+        "timeline": {k: runs[k][0].get("timeline") for k in runs},
+        "bitwise": bitwise_equal(runs["base"], runs["patched"]),
+    }
+
+
+def golden_values(report: Dict[str, Any], command: str) -> Dict[str, Any]:
+    """Megatron functional-test format: {metric: {start_step, end_step, step_interval, values}}."""
+
+    def series(values: List[Any]) -> Dict[str, Any]:
+        return {
+            "start_step": 1,
+            "end_step": len(values),
+            "step_interval": 1,
+            "values": {str(i + 1): v for i, v in enumerate(values)},
+        }
+
+    out: Dict[str, Any] = {"_command": command, "_config": report["config"]}
+    for variant in ("base", "patched"):
+        for rank, r in enumerate(report[variant]):
+            suffix = f" ({variant}, rank {rank})"
+            out["lm loss" + suffix] = series(r["losses"])
+            out["grad norm" + suffix] = series(r["grad_norms"])
+            for key in ("held_between_calls", "cold_peak", "warm_peak", "model_and_optimizer"):
+                out[f"mem {key.replace('_', ' ')} bytes" + suffix] = series([r[key]])
+            out["mem dispatcher-held bytes per layer" + suffix] = series(r["dispatcher_held_bytes"])
+    return out
+
+
+# Tolerances of the golden comparison, and why:
+# - losses and grad norms: fp32 on CPU; oneDNN/MKL pick GEMM kernels by CPU (AVX2, AVX-512,
+#   AMX), which changes summation order between x86 machines by ~1e-7 relative per op. Over a
+#   few steps that stays well under these bounds; a real numerical change is far above them.
+# - memory: tensor sizes follow from shapes and routing only; routing can flip on another CPU
+#   only for near-tied router logits, which would move dispatched sizes by a few rows. Peaks
+#   also depend on when gloo's worker threads drop their buffers (seen: 25 KB of 11 MB).
+#   The patched dispatcher-held bytes are the physical floor and must be exactly 0.
+GOLDEN_RTOL = {
+    "lm loss": 1e-4,
+    "grad norm": 1e-3,
+    "mem held between calls bytes": 0.01,
+    "mem model and optimizer bytes": 0.0,
+    "mem cold peak bytes": 0.02,
+    "mem warm peak bytes": 0.02,
+    "mem dispatcher-held bytes per layer": 0.01,
+}
+
+
+def compare_golden(golden: Dict[str, Any], actual: Dict[str, Any]) -> List[str]:
+    """Differences between golden values and a fresh run beyond GOLDEN_RTOL (empty: match)."""
+    problems = []
+    for key, want in golden.items():
+        if key.startswith("_"):
+            continue
+        got = actual.get(key)
+        if got is None:
+            problems.append(f"{key}: missing from the run")
+            continue
+        metric = key.split(" (")[0]
+        rtol = GOLDEN_RTOL[metric]
+        for step, w in want["values"].items():
+            g = got["values"].get(step)
+            if g is None:
+                problems.append(f"{key} step {step}: missing")
+            elif "dispatcher-held" in metric and "patched" in key and g != 0:
+                problems.append(f"{key} step {step}: {g} bytes held, expected exactly 0")
+            elif abs(g - w) > rtol * abs(w):
+                problems.append(f"{key} step {step}: got {g}, golden {w} (rtol {rtol})")
+    return problems
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(REPO_ROOT / ".build" / "report"), help="output dir")
+    parser.add_argument("--quick", action="store_true", help="small run, no sweep (for tests)")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the layers x tokens sweep")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
+    parser.add_argument("--record-golden", metavar="PATH", help="write golden values to PATH")
+    args = parser.parse_args(argv)
+
+    from tests.unit_tests import cpu_memory
+
+    started = time.monotonic()
+    cpu_memory.build()
+    base, patched = trees()
+    if args.record_golden:
+        cfg = dict(GOLDEN_CONFIG)
+    else:
+        cfg = dict(QUICK if args.quick else MAIN)
+    report: Dict[str, Any] = {
+        "config": cfg,
+        "versions": {
+            "base": moe_release.load_tree(series=False).version.split("+")[0] + " (unpatched)",
+            "patched": moe_release.load_tree().version,
+        },
+        "trees": {"base": base, "patched": patched},
+    }
+    report.update(measure(base, patched, cfg))
+    rounds = 1 if args.quick or args.record_golden else args.rounds
+    report["timing"] = timing(base, patched, cfg, rounds)
+    if not (args.quick or args.no_sweep or args.record_golden):
+        points = [(layer, tok) for layer in SWEEP_LAYERS for tok in SWEEP_TOKENS]
+        report["sweep"] = {}
+        for name, tree in (("base", base), ("patched", patched)):
+            log(f"sweep: {name}, {len(points)} points")
+            res = run(tree, "sweep", dict(cfg, points=points), timeout=1800)
+            report["sweep"][name] = res[0]
+    report["targets"] = targets(report)
+    report["wall_s"] = round(time.monotonic() - started, 1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "memory_report.json").write_text(json.dumps(report, indent=1) + "\n")
+    plot(report, out / "memory_report.png")
+    text = table(report)
+    (out / "memory_report.txt").write_text(text + "\n")
+    print(text)
+    print(f"\nwrote {out / 'memory_report.json'}, {out / 'memory_report.png'} "
+          f"({report['wall_s']} s)")  # fmt: skip
+    if args.record_golden:
+        command = "python scripts/memory_report.py --record-golden " + args.record_golden
+        path = Path(args.record_golden)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(golden_values(report, command), indent=2) + "\n")
+        print(f"wrote golden values to {path}")
+    return 0 if report["bitwise"]["all"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

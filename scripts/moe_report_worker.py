@@ -1,0 +1,292 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""Rank side of the memory report: a small but real megatron-core MoE training run.
+
+Runs inside ranks spawned by ``tests.unit_tests.dist_utils`` (gloo, one thread, the tree under
+test first on the path, the CPU deep_ep emulation installed before megatron is imported). The
+model is megatron-core's GPTModel on the local (non-TE) layer spec with MoE layers: the real
+TopKRouter, MoEFlexTokenDispatcher with the HybridEP manager, SequentialMLP experts, and every
+layer checkpointed (full recompute, uniform, one layer per CheckpointFunction). Dense gradients
+are all-reduced over the data-parallel group and the model is stepped with torch's AdamW.
+
+Memory is measured at the allocator: on CPU by the counting allocator of
+``tests/unit_tests/cpu_memory.py`` (bytes of every tensor storage, on every thread, since the job
+started), on CUDA by the caching allocator's counters.
+"""
+
+import gc
+import time
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class AllocatorClock:
+    """Live allocator bytes at named instants and the peak of each start/end window.
+
+    CPU: the counting allocator of ``tests/unit_tests/cpu_memory.py`` (every thread, exact
+    bytes of tensor storage). CUDA: the caching allocator's counters.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        if device.type == "cuda":
+            self.mem = torch.cuda
+        else:
+            from megatron.core.transformer.moe import moe_memory_probe
+            from tests.unit_tests import cpu_memory
+
+            cpu_memory.install()
+            moe_memory_probe.set_host_allocated_bytes(cpu_memory.memory_allocated)
+            self.mem = cpu_memory
+        self.marks: Dict[str, int] = {}
+
+    def mark(self, label: str) -> None:
+        """Name this instant; ``X:start``/``X:end`` pairs also record the peak as ``X:peak``."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.marks[label] = self.mem.memory_allocated()
+        if label.endswith(":start"):
+            self.mem.reset_peak_memory_stats()
+        elif label.endswith(":end"):
+            self.marks[label[: -len(":end")] + ":peak"] = self.mem.max_memory_allocated()
+
+    def record(self) -> None:
+        """Start a (time, live bytes) timeline (CPU only)."""
+        if self.device.type == "cpu":
+            self.mem.start_recording()
+            self.t0 = self.mem.now_ns()
+
+    def timeline(self, points: int = 400) -> Dict[str, List[float]]:
+        """Stop recording; live bytes over time, downsampled keeping each bucket's maximum."""
+        if self.device.type != "cpu":
+            return {"t_ms": [], "bytes": []}
+        times, values = self.mem.stop_recording()
+        pts = sorted(zip(times, values))
+        size = max(len(pts) // points, 1)
+        t_ms, out = [], []
+        for i in range(0, len(pts), size):
+            chunk = pts[i : i + size]
+            t_ms.append((chunk[0][0] - self.t0) / 1e6)
+            out.append(max(b for _, b in chunk))
+        return {"t_ms": t_ms, "bytes": out}
+
+
+def install_attention_cpu_shim() -> None:
+    """Report fixture: megatron's GlobalMemoryBuffer (used by the local DotProductAttention)
+    allocates on ``torch.cuda.current_device()``; without CUDA it allocates on the host."""
+    import functools
+
+    from megatron.core import utils as mcore_utils
+    from tests.unit_tests.cpu_compat import _Proxy
+
+    buffer_cls = mcore_utils.GlobalMemoryBuffer
+    if torch.cuda.is_available() or getattr(buffer_cls, "_moe_release_cpu", False):
+        return
+    original = buffer_cls.get_tensor
+
+    @functools.wraps(original)
+    def get_tensor(self, *args, **kwargs):
+        saved = mcore_utils.torch
+        mcore_utils.torch = _Proxy(torch, cuda=_Proxy(torch.cuda, current_device=lambda: "cpu"))
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            mcore_utils.torch = saved
+
+    buffer_cls.get_tensor = get_tensor
+    buffer_cls._moe_release_cpu = True
+
+
+def build_model(cfg: Dict[str, Any]):
+    """megatron-core GPTModel with MoE layers on the local spec, checkpointing every layer."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=cfg["layers"],
+        hidden_size=cfg["hidden"],
+        ffn_hidden_size=cfg["ffn"],
+        num_attention_heads=cfg["heads"],
+        num_moe_experts=cfg["experts"],
+        moe_ffn_hidden_size=cfg["ffn"],
+        moe_router_topk=cfg["topk"],
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type="flex",
+        moe_flex_dispatcher_backend=cfg["backend"],
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=1e-2,
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        expert_model_parallel_size=dist.get_world_size(),
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=1,
+        init_method_std=0.02,
+        **cfg.get("config_overrides", {}),
+    )
+    spec = get_gpt_layer_local_spec(num_experts=cfg["experts"], moe_grouped_gemm=False)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=cfg["vocab"],
+        max_sequence_length=cfg["seq"],
+        position_embedding_type="learned_absolute",
+    )
+    return model.to(_device())
+
+
+def _batch(cfg: Dict[str, Any], step: int):
+    """Seeded tokens for this rank and step; labels are the next token."""
+    g = torch.Generator().manual_seed(cfg["seed"] * 1000003 + dist.get_rank() * 7919 + step)
+    mbs, seq = max(cfg["tokens"] // cfg["seq"], 1), cfg["seq"]
+    data = torch.randint(0, cfg["vocab"], (mbs, seq + 1), generator=g)
+    pos = torch.arange(seq).unsqueeze(0).expand(mbs, seq).contiguous()
+    # An explicit causal mask (True = masked): megatron's default one is built on "cuda".
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    dev = _device()
+    tensors = (data[:, :-1].contiguous(), pos, data[:, 1:].contiguous(), mask)
+    return tuple(t.to(dev) for t in tensors)
+
+
+def _reduce_grads(model) -> float:
+    """All-reduce dense gradients over data parallel; return the global gradient norm."""
+    from megatron.core import parallel_state
+
+    dp = parallel_state.get_data_parallel_group()
+    dense_sq = torch.zeros(1, dtype=torch.float64, device=_device())
+    expert_sq = torch.zeros(1, dtype=torch.float64, device=_device())
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if getattr(p, "allreduce", True):
+            dist.all_reduce(p.grad, group=dp)
+            p.grad.div_(dist.get_world_size(dp))
+            dense_sq += p.grad.double().pow(2).sum()
+        else:
+            expert_sq += p.grad.double().pow(2).sum()
+    # Dense gradients are identical on every rank after the all-reduce: count them once.
+    dist.all_reduce(expert_sq)
+    return float((dense_sq + expert_sq).sqrt())
+
+
+def _run_steps(cfg, model, opt, clock, mark, losses, norms, times) -> None:
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    last = cfg["steps"] - 1
+    for step in range(cfg["steps"]):
+        tokens, pos, labels, mask = _batch(cfg, step)
+        dist.barrier()
+        if clock and cfg.get("timeline") and step == last:
+            clock.record()
+        mark(f"step{step}:start")
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = model(tokens, pos, attention_mask=mask, labels=labels).float().mean()
+        loss.backward()
+        norms.append(_reduce_grads(model))
+        opt.step()
+        # As megatron's training loop does after logging: the aux-loss tracker starts afresh.
+        get_moe_metrics_tracker().clear()
+        losses.append(float(loss.detach()))
+        del loss
+        times.append(time.perf_counter() - t0)
+        mark(f"step{step}:end")
+        if clock and cfg.get("timeline") and step == last:
+            clock.timeline_result = clock.timeline()
+
+
+def train(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """Build the model and run cfg['steps'] steps; losses, norms, memory, timing, held state."""
+    from megatron.core.transformer.moe import moe_memory_probe as probe
+    from tests.unit_tests.transformer.moe.moe_cpu_harness import init_megatron
+
+    init_megatron(ep=dist.get_world_size(), seed=cfg["seed"])
+    install_attention_cpu_shim()
+    torch.manual_seed(cfg["seed"])
+    clock = AllocatorClock(_device()) if cfg["measure"] else None
+    losses: List[float] = []
+    norms: List[float] = []
+    times: List[float] = []
+    out: Dict[str, Any] = {"rank": dist.get_rank()}
+    mark = clock.mark if clock else (lambda label: None)
+    mark("init")
+    model = build_model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    mark("built")
+    _run_steps(cfg, model, opt, clock, mark, losses, norms, times)
+    gc.collect()
+    mark("held")
+    if clock:
+        layers = probe.probe_model(model)
+        out["attribution"] = [
+            {"name": r.name, "pinned_bytes": r.pinned_bytes, "by_kind": r.by_kind()} for r in layers
+        ]
+        # What the allocator gets back when each layer's dispatcher references are dropped,
+        # layer by layer: the bytes the dispatcher alone kept alive between calls.
+        for i, (_, dispatcher) in enumerate(probe.find_moe_dispatchers(model)):
+            probe.release_delta(dispatcher)
+            mark(f"released{i}")
+        marks = clock.marks
+        out["marks"] = dict(marks)
+        held = [marks["held"]] + [marks[f"released{i}"] for i in range(len(layers))]
+        out["dispatcher_held_bytes"] = [held[i] - held[i + 1] for i in range(len(layers))]
+        if cfg.get("timeline"):
+            out["timeline"] = clock.timeline_result
+    if cfg.get("grads"):
+        named = list(model.named_parameters())
+        out["grads"] = {n: p.grad.detach().cpu().clone() for n, p in named if p.grad is not None}
+        out["params"] = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    out.update(losses=losses, grad_norms=norms, step_times=times)
+    return out
+
+
+def sweep(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """One measured two-step run (cold, warm) per (layers, tokens) point, in one process."""
+    results = []
+    for layers, tokens in cfg["points"]:
+        point = dict(cfg, layers=layers, tokens=tokens, steps=2, measure=True, timeline=False)
+        res = train(point)
+        results.append(
+            {
+                "layers": layers,
+                "tokens": tokens,
+                "held": res["marks"]["held"],
+                "built": res["marks"]["built"],
+                "dispatcher_held_bytes": res["dispatcher_held_bytes"],
+                "warm_peak": res["marks"]["step1:peak"],
+                "losses": res["losses"],
+            }
+        )
+        _teardown()
+    return results
+
+
+def _teardown() -> None:
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    from tests.unit_tests.cpu_compat import teardown_megatron_state
+
+    teardown_megatron_state()
+    # Sized by the number of layers of the model that first used it.
+    destroy_moe_metrics_tracker()
+    gc.collect()
