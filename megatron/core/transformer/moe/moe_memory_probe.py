@@ -26,6 +26,11 @@ import torch
 
 # Manager/dispatcher attributes that are configuration, not per-step state.
 _SKIP_ATTRS = {"config", "group", "tp_group", "ep_group", "tp_ep_group", "pg_collection"}
+# Tensors a dispatcher or manager allocates once and keeps by design (not per-step state):
+# HybridEP's over-budget flag, the all-to-all dispatcher's static permutation indices.
+PERSISTENT_ATTRS = frozenset(
+    {"over_budget", "sort_input_by_local_experts", "restore_output_by_local_experts"}
+)
 
 
 @dataclass
@@ -264,19 +269,22 @@ def allocated_bytes(device: Optional[torch.device] = None) -> int:
     return int(info.uordblks + info.hblkhd)
 
 
-def release_delta(dispatcher, device: Optional[torch.device] = None) -> int:
+def release_delta(
+    dispatcher, device: Optional[torch.device] = None, keep: Iterable[str] = PERSISTENT_ATTRS
+) -> int:
     """Drop every per-step tensor reference of the dispatcher and its manager; bytes freed.
 
     Destructive: meant for the end of a measured step. Handles and other tuples holding tensors
-    are dropped too.
+    are dropped too; the attributes named in ``keep`` (persistent by design) are not.
     """
+    keep = frozenset(keep)
     gc.collect()
     before = allocated_bytes(device)
     for obj in (dispatcher, getattr(dispatcher, "_comm_manager", None)):
         if obj is None:
             continue
         for k, v in list(vars(obj).items()):
-            if k in _SKIP_ATTRS or isinstance(v, torch.nn.Module):
+            if k in _SKIP_ATTRS or k in keep or isinstance(v, torch.nn.Module):
                 continue
             if next(_attr_tensors(v, k, depth=1), None) is not None:
                 setattr(obj, k, None)

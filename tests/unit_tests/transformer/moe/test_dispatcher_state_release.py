@@ -1,0 +1,754 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""The MoE token dispatchers keep nothing of a layer's forward once its combine is done.
+
+Every test drives megatron-core's real MoELayer / dispatcher / manager code from the tree under
+test (``MOE_RELEASE_TREE``), on CPU gloo ranks, with only the DeepEP/HybridEP kernels emulated.
+Comparisons against the unpatched megatron-core use ``MOE_RELEASE_BASE_TREE``. Retention is
+proven with weakrefs after ``gc.collect()`` and by summing the bytes of the tensors the
+dispatcher and its manager still reference; each retention test fails on the base tree.
+"""
+
+import copy
+import functools
+import gc
+import os
+import pickle
+import time
+import weakref
+
+import pytest
+
+try:
+    from tests.unit_tests.dist_utils import run_distributed
+except ImportError:  # pragma: no cover - harness not present
+    run_distributed = None
+
+PATCHED_TREE = os.environ.get("MOE_RELEASE_TREE")
+BASE_TREE = os.environ.get("MOE_RELEASE_BASE_TREE")
+THIS = "tests.unit_tests.transformer.moe.test_dispatcher_state_release"
+
+needs_tree = pytest.mark.skipif(
+    run_distributed is None or not PATCHED_TREE, reason="needs MOE_RELEASE_TREE and dist_utils"
+)
+needs_base = pytest.mark.skipif(
+    run_distributed is None or not PATCHED_TREE or not BASE_TREE,
+    reason="needs MOE_RELEASE_TREE, MOE_RELEASE_BASE_TREE and dist_utils",
+)
+
+# (dispatcher, backend, EP). DeepEP needs TPxEP > 1; the all-to-all dispatcher runs its
+# drop-and-pad path, the one that needs no CUDA side stream.
+CONFIGS = [
+    ("flex", "hybridep", 1),
+    ("flex", "hybridep", 2),
+    ("flex", "hybridep", 4),
+    ("flex", "deepep", 2),
+    ("flex", "deepep", 4),
+    ("alltoall", None, 1),
+]
+CONFIG_IDS = [f"{d}-{b}-ep{ep}" if b else f"{d}-ep{ep}" for d, b, ep in CONFIGS]
+RECOMPUTE = ["none", "moe_layer_recompute", "checkpoint"]
+NUM_LAYERS = 3
+HIDDEN = 16
+
+
+# --------------------------------------------------------------------------------------------
+# Rank side: everything below runs inside a gloo rank spawned by dist_utils.run_distributed.
+# --------------------------------------------------------------------------------------------
+
+
+def _setup(ep):
+    import torch
+
+    from megatron.core import parallel_state
+    from tests.unit_tests.cpu_compat import install_base_tree_shims, install_cpu_rng_shim
+
+    install_base_tree_shims()
+    install_cpu_rng_shim()
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(1234)
+    torch.manual_seed(1234)
+
+
+def _build_layers(dispatcher, backend, ep, num_layers=NUM_LAYERS, recompute="none", **extra):
+    import dataclasses
+
+    import torch
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import get_submodules
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    if dispatcher == "alltoall" and td.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
+        # Only read on the dropless path; drop-and-pad never touches it.
+        td.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = object()
+    kwargs = dict(
+        num_layers=num_layers,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_token_dispatcher_type=dispatcher,
+        moe_router_dtype="fp32",
+        moe_aux_loss_coeff=0.0,
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        expert_model_parallel_size=ep,
+        moe_layer_recompute=recompute == "moe_layer_recompute",
+    )
+    if dispatcher == "flex":
+        kwargs["moe_flex_dispatcher_backend"] = backend
+    else:
+        kwargs.update(moe_expert_capacity_factor=2.0, moe_pad_expert_input_to_capacity=True)
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    kwargs.update({k: v for k, v in extra.items() if k in fields})
+    config = TransformerConfig(**kwargs)
+    submodules = get_submodules(
+        get_gpt_layer_local_submodules(num_experts=4, moe_grouped_gemm=False).mlp
+    )
+    torch.manual_seed(4321)
+    layers = []
+    for i in range(num_layers):
+        layer = MoELayer(config, submodules)
+        layer.set_layer_number(i + 1)
+        layer.train()
+        layers.append(layer)
+    return layers
+
+
+def _run_stack(layers, x, recompute):
+    from megatron.core import tensor_parallel
+
+    h = x
+    for layer in layers:
+        if recompute == "checkpoint":
+            # Full recompute: the whole layer is a checkpointed function, as in TransformerBlock.
+            h = tensor_parallel.checkpoint(lambda t, _l=layer: _l(t)[0], False, h)
+        else:
+            h, _ = layer(h)
+    return h
+
+
+def _input(seed=7, tokens=8):
+    import torch
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(seed + dist.get_rank())
+    return torch.randn(tokens, 2, HIDDEN, generator=g)
+
+
+class _Tracker:
+    """Weakrefs to what a forward hands the dispatcher: the router (= checkpoint) inputs,
+    router probabilities and the dispatch handles/probabilities, on every call, recompute
+    included."""
+
+    def __init__(self, layers):
+        self.refs = {"input": [], "probs": [], "handle": [], "dispatched_probs": []}
+        self.inputs = []  # weakrefs to the inputs, to look up their .grad before they die
+        self.grad_refs = []
+        for layer in layers:
+            layer.router.register_forward_hook(self._router_hook)
+            disp = layer.token_dispatcher
+            if hasattr(disp, "_comm_manager"):
+                self._wrap_dispatch(disp._comm_manager)
+
+    def _router_hook(self, module, args, output):
+        x = args[0]
+        self.refs["input"].append(weakref.ref(x))
+        self.inputs.append(weakref.ref(x))
+        self.refs["probs"].append(weakref.ref(output[0]))
+
+    def _wrap_dispatch(self, manager):
+        import torch
+
+        original = manager.dispatch
+
+        def dispatch(*args, **kwargs):
+            out = original(*args, **kwargs)
+            handle = manager.handle
+            items = handle if isinstance(handle, tuple) else (handle,)
+            for item in items:
+                if torch.is_tensor(item):
+                    self.refs["handle"].append(weakref.ref(item))
+            probs = getattr(manager, "dispatched_probs", None)
+            if probs is not None:
+                self.refs["dispatched_probs"].append(weakref.ref(probs))
+            return out
+
+        manager.dispatch = dispatch
+
+    def collect_grads(self):
+        """Weakrefs to the .grad of every recorded input still alive (the checkpoint leaves)."""
+        for ref in self.inputs:
+            x = ref()
+            if x is not None and x.grad is not None:
+                self.grad_refs.append(weakref.ref(x.grad))
+
+    def alive(self):
+        gc.collect()
+        counts = {k: sum(r() is not None for r in v) for k, v in self.refs.items()}
+        counts["input_grad"] = sum(r() is not None for r in self.grad_refs)
+        counts["recorded"] = {k: len(v) for k, v in self.refs.items()}
+        return counts
+
+
+_PERSISTENT = ("over_budget", "sort_input_by_local_experts", "restore_output_by_local_experts")
+
+
+def _tensors(obj, depth=0, seen=None):
+    import torch
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 3:
+        return
+    seen.add(id(obj))
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors(item, depth + 1, seen)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item, depth + 1, seen)
+
+
+def held_state_bytes(dispatcher):
+    """Bytes of the per-forward tensors a dispatcher (and its manager) still references.
+
+    Everything reachable through instance attributes, tuples and dicts counts, except the
+    persistent ones built at construction (over-budget flag, static index tensors).
+    """
+    owners = [dispatcher]
+    if getattr(dispatcher, "_comm_manager", None) is not None:
+        owners.append(dispatcher._comm_manager)
+    total, storages = 0, set()
+    for owner in owners:
+        for name, value in vars(owner).items():
+            if name in _PERSISTENT or name in ("config", "group", "shared_experts"):
+                continue
+            for t in _tensors(value):
+                key = t.untyped_storage().data_ptr()
+                if key in storages:
+                    continue
+                storages.add(key)
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+def _grads(layers, x):
+    out = {"input": x.grad.clone()}
+    for i, layer in enumerate(layers):
+        for name, p in layer.named_parameters():
+            out[f"{i}.{name}"] = None if p.grad is None else p.grad.clone()
+    return out
+
+
+def rank_train(dispatcher, backend, ep, recompute, compile_=False, release=None, steps=2):
+    """Forward+backward ``steps`` times through a stack of MoE layers.
+
+    Returns the losses, outputs and gradients of the last step, the weakref census after the
+    step with everything dropped, and the bytes each layer's dispatcher still holds.
+    """
+    import torch
+
+    _setup(ep)
+    extra = {}
+    if release is not None:
+        extra["moe_release_dispatcher_state_after_combine"] = release
+    layers = _build_layers(dispatcher, backend, ep, recompute=recompute, **extra)
+    runners = layers
+    if compile_:
+        runners = [torch.compile(layer, backend="aot_eager") for layer in layers]
+    tracker = _Tracker(layers)
+    # What the probe attributes to each dispatcher before any forward (the over-budget flag,
+    # static index tensors) is persistent, not per-step state.
+    persistent = [_probe(layer, i, exclude=None)[1] for i, layer in enumerate(layers)]
+    result = {}
+    for step in range(steps):
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+        x = _input(seed=step).requires_grad_()
+        out = _run_stack(runners, x, recompute)
+        loss = (out.float() ** 2).sum()
+        loss.backward()
+        tracker.collect_grads()
+        result.update(
+            loss=loss.detach().clone(), output=out.detach().clone(), grads=_grads(layers, x)
+        )
+        del x, out, loss
+    result["alive"] = tracker.alive()
+    result["held_bytes"] = [held_state_bytes(layer.token_dispatcher) for layer in layers]
+    result["probe_bytes"] = [
+        _probe(layer, i, exclude=persistent[i])[0] for i, layer in enumerate(layers)
+    ]
+    return result
+
+
+def rank_train_modes(dispatcher, backend, ep, recomputes):
+    """rank_train for each recompute mode in turn, in one process (spawning ranks and
+    importing megatron cost more than the runs themselves)."""
+    from tests.unit_tests.cpu_compat import teardown_megatron_state
+
+    out = {}
+    for recompute in recomputes:
+        out[recompute] = rank_train(dispatcher, backend, ep, recompute)
+        teardown_megatron_state()
+        gc.collect()
+    return out
+
+
+def _probe(layer, index, exclude):
+    """Bytes the retained-state probe (moe_memory_probe) attributes to the layer's dispatcher:
+    direct references and everything their autograd graphs pin, model-owned storages and the
+    roots in ``exclude`` left out. Also returns the root paths seen."""
+    from megatron.core.transformer.moe import moe_memory_probe as probe
+
+    gc.collect()
+    report = probe.attribute_layer(
+        f"layer{index}", layer.token_dispatcher, probe.model_storage_keys(layer)
+    )
+    exclude = exclude or set()
+    retained = sum(
+        p.nbytes
+        for p in report.pinned
+        if not p.shared_with_model and p.path.split(" <- ")[0] not in exclude
+    )
+    return retained, set(report.direct)
+
+
+def rank_edge_cases(dispatcher, backend, ep):
+    """Two outstanding forwards, releases while backward is pending, double release, release
+    before any dispatch, deepcopy/pickle of a layer after a forward."""
+    import torch
+
+    _setup(ep)
+    (layer,) = _build_layers(dispatcher, backend, ep, num_layers=1)
+    disp = layer.token_dispatcher
+    res = {}
+    # Release before any dispatch, twice.
+    disp.reset_transient_forward_state()
+    disp.reset_transient_forward_state()
+
+    def fwd(seed):
+        x = _input(seed=seed).requires_grad_()
+        out, _ = layer(x)
+        return x, (out.float() ** 2).sum()
+
+    # Reference: each forward followed by its backward.
+    ref = []
+    for seed in (1, 2):
+        layer.zero_grad(set_to_none=True)
+        x, loss = fwd(seed)
+        loss.backward()
+        ref.append((x.grad.clone(), [p.grad.clone() for p in layer.parameters()]))
+    # Two outstanding forwards; explicit releases while both backwards are pending; then each
+    # backward twice (retain_graph, then final).
+    layer.zero_grad(set_to_none=True)
+    xa, la = fwd(1)
+    xb, lb = fwd(2)
+    disp.reset_transient_forward_state()
+    disp.reset_transient_forward_state()
+    res["held_after_release_pending"] = held_state_bytes(disp)
+    ok = True
+    for x, loss, (rx, rp) in ((xa, la, ref[0]), (xb, lb, ref[1])):
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        loss.backward(retain_graph=True)
+        g1 = (x.grad.clone(), [p.grad.clone() for p in layer.parameters()])
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        loss.backward()
+        g2 = (x.grad.clone(), [p.grad.clone() for p in layer.parameters()])
+        for g in (g1, g2):
+            ok &= torch.equal(g[0], rx) and all(torch.equal(a, b) for a, b in zip(g[1], rp))
+    res["outstanding_grads_equal"] = ok
+    del xa, xb, la, lb
+    # After a forward the dispatcher's state must deepcopy and pickle: a tensor still held with
+    # autograd history refuses both ("Only Tensors created explicitly by the user ...").
+    # Process groups never copy, on any tree, so they are left out.
+    x, loss = fwd(3)
+    del x, loss
+    state = [_copyable_state(disp)]
+    if hasattr(disp, "_comm_manager"):
+        state.append(_copyable_state(disp._comm_manager))
+    for name, op in (("deepcopy", copy.deepcopy), ("pickle", pickle.dumps)):
+        try:
+            op(state)
+            res[name] = "ok"
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            res[name] = f"{type(exc).__name__}: {exc}"[:200]
+    res["held_end"] = held_state_bytes(disp)
+    return res
+
+
+def _copyable_state(obj):
+    import torch.distributed as dist
+
+    skip = ("config", "shared_experts", "cuda_dtoh_stream", "_comm_manager")
+    return {
+        k: v for k, v in vars(obj).items() if k not in skip and not isinstance(v, dist.ProcessGroup)
+    }
+
+
+def rank_exception(dispatcher, backend, ep):
+    """An expert raising mid-forward leaves nothing pinned once the exception is gone."""
+    _setup(ep)
+    (layer,) = _build_layers(dispatcher, backend, ep, num_layers=1)
+    tracker = _Tracker([layer])
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("expert failed")
+
+    layer.experts.forward = boom
+    x = _input().requires_grad_()
+    try:
+        layer(x)
+    except RuntimeError as exc:
+        assert "expert failed" in str(exc)
+    del x
+    return {"alive": tracker.alive(), "held": held_state_bytes(layer.token_dispatcher)}
+
+
+def rank_cudagraph_replay(backend, ep):
+    """Partial CUDA-graph flow on CPU: the attributes listed in ``cudagraph_attrs`` are read
+    right after the preprocess (capture) and written back before dispatch (replay), after the
+    previous forward's release. The result must equal the eager forward; and the automatic
+    release must be skipped while a stream is capturing."""
+    import torch
+
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    _setup(ep)
+    (layer,) = _build_layers("flex", backend, ep, num_layers=1)
+    disp = layer.token_dispatcher
+    x = _input()
+    with torch.no_grad():
+        eager, _ = layer(x)
+        probs, routing_map = layer.route(x)
+        hidden, pp = layer.preprocess(x, probs, routing_map)
+        captured = {}
+        for name in disp.cudagraph_attrs:
+            obj = disp
+            for part in name.split("."):
+                obj = getattr(obj, part, None)
+            if torch.is_tensor(obj):
+                captured[name] = obj
+        disp.reset_transient_forward_state()  # what the previous forward's combine did
+        for name, value in captured.items():
+            owner, leaf = name.rsplit(".", 1)
+            setattr(getattr(disp, owner), leaf, value)
+        out, _ = layer.dispatch(hidden, pp)
+        out, _ = layer.routed_experts_compute(out, _)
+        out = layer.postprocess(layer.combine(out), None)
+    res = {"equal": torch.equal(out, eager), "captured": sorted(captured)}
+    # While capturing, the release after combine is skipped. Only token_dispatcher's view of
+    # torch.cuda claims a capture; the rest of megatron keeps seeing the real (absent) CUDA.
+    calls = []
+
+    class FakeCuda:
+        def __getattr__(self, name):
+            return getattr(torch.cuda, name)
+
+        @staticmethod
+        def is_available():
+            return True
+
+        @staticmethod
+        def is_current_stream_capturing():
+            calls.append(1)
+            return True
+
+    class TorchView:
+        cuda = FakeCuda()
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+    saved = td.torch
+    try:
+        td.torch = TorchView()
+        with torch.no_grad():
+            layer(x)
+    finally:
+        td.torch = saved
+    res["capture_checked"] = bool(calls)
+    res["held_while_capturing"] = held_state_bytes(disp)
+    return res
+
+
+def rank_manager_units():
+    """Managers built with __new__ (no bootstrap, no comm library): each backend's release
+    drops exactly the per-forward fields and keeps the persistent ones."""
+    import torch
+
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    res = {}
+    t = lambda: torch.ones(4)  # noqa: E731
+
+    m = td._NCCLEPManager.__new__(td._NCCLEPManager)
+    m._bootstrapped, m._max_tokens_per_rank, m._recv_capacity = True, 64, 256
+    m.num_local_tokens = 8
+    m.token_probs, m.token_indices, m.dispatched_probs, m.tokens_per_expert = t(), t(), t(), t()
+    m._buffer = object()
+    m.reset_transient_forward_state()
+    m.reset_transient_forward_state()
+    res["ncclep"] = {k: getattr(m, k) is None for k in vars(m)}
+    res["ncclep_kept"] = (
+        m._bootstrapped,
+        m._max_tokens_per_rank,
+        m._recv_capacity,
+        m.num_local_tokens,
+    )
+
+    for drop_and_pad in (False, True):
+        h = td._HybridEPManager.__new__(td._HybridEPManager)
+        h.drop_and_pad = drop_and_pad
+        h.over_budget = torch.zeros(1, dtype=torch.bool)
+        h.pad_multiple = 16
+        h.routing_map, h.token_probs, h.dispatched_probs = t(), t(), t()
+        h.handle = (t(), t())
+        h.tokens_per_expert, h.num_permuted_tokens = t(), 32
+        h._original_num_tokens, h._padded_num_tokens = 8, 16
+        h.reset_transient_forward_state()
+        res[f"hybridep_dp{int(drop_and_pad)}"] = {
+            k: (v is None) for k, v in vars(h).items() if k != "over_budget"
+        }
+        res[f"hybridep_dp{int(drop_and_pad)}_over_budget"] = torch.is_tensor(h.over_budget)
+
+    d = td._DeepepManager.__new__(td._DeepepManager)
+    for name in (
+        "token_probs",
+        "token_indices",
+        "tokens_per_expert",
+        "dispatched_indices",
+        "dispatched_probs",
+        "dispatched_routing_map",
+        "reversed_mapping_for_combine",
+        "pad_offsets",
+    ):
+        setattr(d, name, t())
+    d.handle = object()
+    d.hidden_shape_before_permute = torch.Size([8, 16])
+    d.reset_transient_forward_state()
+    res["deepep"] = {k: v is None for k, v in vars(d).items()}
+    return res
+
+
+# --------------------------------------------------------------------------------------------
+# Test side.
+# --------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _train_modes(tree, dispatcher, backend, ep):
+    kwargs = dict(dispatcher=dispatcher, backend=backend, ep=ep, recomputes=RECOMPUTE)
+    return run_distributed(f"{THIS}:rank_train_modes", ep, tree, kwargs, timeout=600)
+
+
+def _train(tree, dispatcher, backend, ep, recompute, compile_=False, release=None):
+    if not compile_ and release is None:
+        return [res[recompute] for res in _train_modes(tree, dispatcher, backend, ep)]
+    return _train_one(tree, dispatcher, backend, ep, recompute, compile_, release)
+
+
+@functools.cache
+def _train_one(tree, dispatcher, backend, ep, recompute, compile_=False, release=None):
+    kwargs = dict(
+        dispatcher=dispatcher,
+        backend=backend,
+        ep=ep,
+        recompute=recompute,
+        compile_=compile_,
+        release=release,
+    )
+    return run_distributed(f"{THIS}:rank_train", ep, tree, kwargs, timeout=600)
+
+
+@needs_tree
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+@pytest.mark.parametrize("dispatcher,backend,ep", CONFIGS, ids=CONFIG_IDS)
+def test_nothing_of_the_forward_outlives_backward(dispatcher, backend, ep, recompute):
+    """After forward+backward through (checkpointed) MoE layers, no checkpoint input, its
+    .grad, router probability, dispatch handle or dispatched probability is reachable, and
+    the dispatchers hold 0 bytes of per-forward state."""
+    for rank, res in enumerate(_train(PATCHED_TREE, dispatcher, backend, ep, recompute)):
+        alive, recorded = res["alive"], res["alive"].pop("recorded")
+        assert recorded["input"] > 0 and recorded["probs"] > 0
+        if dispatcher == "flex":
+            assert recorded["handle"] > 0 and recorded["dispatched_probs"] > 0
+        assert alive == dict.fromkeys(alive, 0), f"rank {rank}: still reachable {alive}"
+        assert res["held_bytes"] == [0] * NUM_LAYERS, f"rank {rank}: {res['held_bytes']}"
+        assert res["probe_bytes"] == [0] * NUM_LAYERS, f"rank {rank}: {res['probe_bytes']}"
+
+
+@needs_tree
+def test_switch_off_keeps_the_old_behaviour():
+    """moe_release_dispatcher_state_after_combine=False keeps the state until the next forward."""
+    res = _train(PATCHED_TREE, "flex", "hybridep", 1, "moe_layer_recompute", release=False)[0]
+    assert all(b > 0 for b in res["held_bytes"])
+    assert res["alive"]["probs"] > 0 and res["alive"]["input_grad"] > 0
+
+
+def _assert_bitwise(a, b):
+    import torch
+
+    assert torch.equal(a["loss"], b["loss"])
+    assert torch.equal(a["output"], b["output"])
+    assert a["grads"].keys() == b["grads"].keys()
+    for name in a["grads"]:
+        ga, gb = a["grads"][name], b["grads"][name]
+        assert (ga is None) == (gb is None), name
+        assert ga is None or torch.equal(ga, gb), name
+
+
+@needs_base
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+@pytest.mark.parametrize("dispatcher,backend,ep", CONFIGS, ids=CONFIG_IDS)
+def test_bitwise_equal_to_base(dispatcher, backend, ep, recompute):
+    """Loss, outputs and every gradient are bitwise those of the unpatched megatron-core."""
+    patched = _train(PATCHED_TREE, dispatcher, backend, ep, recompute)
+    base = _train(BASE_TREE, dispatcher, backend, ep, recompute)
+    for p, b in zip(patched, base):
+        _assert_bitwise(p, b)
+
+
+@needs_base
+@pytest.mark.parametrize(
+    "dispatcher,backend,ep", [("flex", "hybridep", 1), ("flex", "hybridep", 2)]
+)
+def test_bitwise_equal_to_base_compiled(dispatcher, backend, ep):
+    """The same under torch.compile(backend="aot_eager") (graph breaks allowed)."""
+    try:
+        base = _train(BASE_TREE, dispatcher, backend, ep, "none", compile_=True)
+    except AssertionError as exc:
+        pytest.skip(f"the base tree does not compile this path: {str(exc)[-300:]}")
+    patched = _train(PATCHED_TREE, dispatcher, backend, ep, "none", compile_=True)
+    for p, b in zip(patched, base):
+        _assert_bitwise(p, b)
+        assert b["held_bytes"] != [0] * NUM_LAYERS  # the base still retains under compile
+        assert p["held_bytes"] == [0] * NUM_LAYERS
+
+
+EDGE_CONFIGS = [c for c in CONFIGS if c[2] <= 2]
+
+
+@needs_tree
+@pytest.mark.parametrize(
+    "dispatcher,backend,ep", EDGE_CONFIGS, ids=[f"{d}-{b}-ep{e}" for d, b, e in EDGE_CONFIGS]
+)
+def test_release_edge_cases(dispatcher, backend, ep):
+    """Release before any dispatch, twice, and while two backwards are pending: gradients are
+    unchanged (retain_graph repeated); the state afterwards deep-copies and pickles."""
+    for res in run_distributed(
+        f"{THIS}:rank_edge_cases",
+        ep,
+        PATCHED_TREE,
+        dict(dispatcher=dispatcher, backend=backend, ep=ep),
+    ):
+        assert res["outstanding_grads_equal"]
+        assert res["held_after_release_pending"] == 0
+        assert res["held_end"] == 0
+        assert res["deepcopy"] == "ok"
+        assert res["pickle"] == "ok"
+
+
+@needs_tree
+@pytest.mark.parametrize(
+    "dispatcher,backend,ep", [("flex", "hybridep", 1), ("flex", "deepep", 2), ("alltoall", None, 1)]
+)
+def test_exception_mid_forward_pins_nothing(dispatcher, backend, ep):
+    """An expert raising after dispatch leaves no probs, handle or input reachable."""
+    for res in run_distributed(
+        f"{THIS}:rank_exception",
+        ep,
+        PATCHED_TREE,
+        dict(dispatcher=dispatcher, backend=backend, ep=ep),
+    ):
+        alive = res["alive"]
+        recorded = alive.pop("recorded")
+        assert recorded["probs"] > 0
+        assert alive == dict.fromkeys(alive, 0), alive
+        assert res["held"] == 0
+
+
+@needs_tree
+@pytest.mark.parametrize("backend,ep", [("hybridep", 1), ("deepep", 2)])
+def test_cudagraph_attrs_survive_release(backend, ep):
+    """Capture reads cudagraph_attrs after preprocess and replay writes them back before
+    dispatch; a release in between breaks neither. No release while a stream captures."""
+    for res in run_distributed(
+        f"{THIS}:rank_cudagraph_replay", ep, PATCHED_TREE, dict(backend=backend, ep=ep)
+    ):
+        assert res["equal"]
+        assert res["captured"]
+        assert res["capture_checked"]
+        assert res["held_while_capturing"] > 0
+
+
+@needs_tree
+def test_manager_release_without_bootstrap():
+    """NCCL-EP (no library here), HybridEP and DeepEP managers built with __new__: the release
+    drops the per-forward fields and keeps buffers, bootstrap and drop-and-pad sizes."""
+    (res,) = run_distributed(f"{THIS}:rank_manager_units", 1, PATCHED_TREE)
+    nccl = res["ncclep"]
+    for name in (
+        "token_probs",
+        "token_indices",
+        "dispatched_probs",
+        "tokens_per_expert",
+        "_buffer",
+    ):
+        assert nccl[name], name
+    assert res["ncclep_kept"] == (True, 64, 256, 8)
+    dropless, dropped = res["hybridep_dp0"], res["hybridep_dp1"]
+    for name in ("routing_map", "token_probs", "dispatched_probs", "handle", "_padded_num_tokens"):
+        assert dropless[name] and dropped[name], name
+    assert dropless["tokens_per_expert"] and dropless["num_permuted_tokens"]
+    assert not dropped["tokens_per_expert"] and not dropped["num_permuted_tokens"]
+    assert not dropless["pad_multiple"] and res["hybridep_dp0_over_budget"]
+    deepep = res["deepep"]
+    assert not deepep.pop("hidden_shape_before_permute")
+    assert all(deepep.values()), deepep
+
+
+# --------------------------------------------------------------------------------------------
+# Numbers for the patch notes: bytes held per layer and step time, base vs patched.
+# --------------------------------------------------------------------------------------------
+
+
+def rank_timing(dispatcher, backend, ep, steps=48, tokens=256, num_layers=4, start_on=False):
+    """Steps with the release off and on interleaved in blocks of two (same process, same
+    layers). Only the second step of a block is timed: in steady state either setting frees
+    one step's state per step (on: in its own combine; off: in the next setup_metadata), which
+    the first step after a switch does not. Returns step times and the bytes each layer's
+    dispatcher holds after a step, per setting."""
+    import torch
+
+    _setup(ep)
+    layers = _build_layers(
+        dispatcher, backend, ep, num_layers=num_layers, recompute="moe_layer_recompute"
+    )
+    config = layers[0].config
+    times, held = {False: [], True: []}, {}
+    for step in range(steps):
+        release = bool(step // 2 % 2) != start_on
+        config.moe_release_dispatcher_state_after_combine = release
+        for layer in layers:
+            layer.token_dispatcher.config.moe_release_dispatcher_state_after_combine = release
+        x = _input(seed=step, tokens=tokens).requires_grad_()
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        out = _run_stack(layers, x, "moe_layer_recompute")
+        (out.float() ** 2).sum().backward()
+        torch.distributed.barrier()
+        if step >= 2 and step % 2:
+            times[release].append(time.perf_counter() - start)
+        del x, out
+        gc.collect()
+        held[release] = [held_state_bytes(layer.token_dispatcher) for layer in layers]
+    return {"times": times, "held": held}
