@@ -1,0 +1,122 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""Patch 1 ("Let the MoE dispatcher path import and build without CUDA"), without any shim.
+
+Each check runs in a fresh interpreter on the patched tree, where it must pass, and on the
+pristine base, where it must fail: Triton absent at import, the HybridEP manager's over-budget
+flag allocated on the host, and the router's gating on host weights.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.unit_tests.dist_utils import REPO_ROOT, free_port
+
+CHECKS = {
+    "triton": """
+        import sys
+        sys.modules["triton"] = None  # as on a host where Triton is not installed
+        sys.modules["triton.language"] = None
+        import megatron.core.pipeline_parallel  # schedules -> moe.paged_stash
+        from megatron.core.transformer.moe import paged_stash
+        assert paged_stash.HAVE_TRITON is False
+        try:
+            paged_stash.paged_stash_reset(enabled=True)
+        except ImportError as exc:
+            assert "triton" in str(exc).lower()
+        else:
+            raise AssertionError("enabling the stash without Triton must raise")
+        """,
+    "over_budget": """
+        from megatron.core.transformer.moe.token_dispatcher import _HybridEPManager
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                                   num_moe_experts=4, moe_router_topk=2,
+                                   moe_token_dispatcher_type="flex",
+                                   moe_flex_dispatcher_backend="hybridep",
+                                   use_cpu_initialization=True)
+        manager = _HybridEPManager(dist.group.WORLD, 4, 4, config)
+        assert manager.over_budget.device.type == "cpu" and not bool(manager.over_budget)
+        """,
+    "router": """
+        import torch
+        from megatron.core import parallel_state
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.transformer.moe.router import TopKRouter
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        parallel_state.initialize_model_parallel()
+        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                                   num_moe_experts=4, moe_router_topk=2,
+                                   use_cpu_initialization=True)
+        router = TopKRouter(
+            config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups()
+        )
+        logits = router.gating(torch.randn(5, 8))
+        assert logits.shape == (5, 4) and router.weight.device.type == "cpu"
+        """,
+}
+
+PRELUDE = """
+import os, sys
+sys.path.insert(0, {tree!r})
+from tests.unit_tests.cpu_compat import load_deep_ep_emulation
+load_deep_ep_emulation({tree!r}).install()
+import torch.distributed as dist
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+"""
+
+
+def _run_all(tree: str) -> dict:
+    procs = {}
+    for name, body in CHECKS.items():
+        code = PRELUDE.format(tree=tree, port=free_port()) + textwrap.dedent(body)
+        env = {"PATH": "/usr/bin:/bin", "NO_VCS_VERSION": "1", "OMP_NUM_THREADS": "1",
+               "CUDA_VISIBLE_DEVICES": "", "TORCHDYNAMO_DISABLE": "1"}  # fmt: skip
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-c", code], cwd=str(REPO_ROOT), env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+    out = {}
+    try:
+        for name, p in procs.items():
+            _, err = p.communicate(timeout=120)
+            out[name] = (p.returncode, err[-1500:])
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
+@pytest.fixture(scope="module")
+def patched(patched_tree):
+    return _run_all(patched_tree)
+
+
+@pytest.fixture(scope="module")
+def base(base_tree):
+    return _run_all(base_tree)
+
+
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_patched_tree_runs_without_cuda(patched, check):
+    rc, err = patched[check]
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_unpatched_base_fails_the_same_check(base, check):
+    rc, err = base[check]
+    assert rc != 0, f"{check} passed on the unpatched base: the test would not catch a regression"
+    # The base fails for the reason the patch fixes: the Triton import, or a call into CUDA.
+    expected = {
+        "triton": "ModuleNotFoundError: import of triton halted",
+        "over_budget": "RuntimeError: Found no NVIDIA driver",
+        "router": "RuntimeError: Found no NVIDIA driver",
+    }
+    last = [line for line in err.splitlines() if line.strip()][-1]
+    assert expected[check] in last, err
