@@ -17,6 +17,7 @@ verbs are thin I/O around them so tests call both.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -30,7 +31,7 @@ import tarfile
 import tempfile
 import tomllib
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PINS_FILE = REPO_ROOT / "patches" / "pins.toml"
@@ -663,24 +664,39 @@ def load_tree(
     return build_tree(base, base_files, patches, overlay_files(root), compile_check=compile_check)
 
 
-def write_tree_atomic(files: dict[str, bytes], dest: Path) -> None:
-    """Write files under a fresh temp dir beside dest, then rename it into place."""
+@contextlib.contextmanager
+def atomic_directory(dest: Path) -> Iterator[Path]:
+    """A fresh temp dir beside dest, renamed to dest when the block succeeds, removed if not.
+
+    dest must be absent or an empty directory; nothing is left half-written either way.
+    """
     dest = dest.absolute()
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise UserError(f"{dest}: target exists and is not empty")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
     try:
-        for rel, data in sorted(files.items()):
-            path = tmp / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
+        yield tmp
         if dest.exists():
             dest.rmdir()
         os.rename(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_files(root: Path, files: dict[str, bytes]) -> None:
+    """Write {relative path: bytes} under root."""
+    for rel, data in sorted(files.items()):
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
+def write_tree_atomic(files: dict[str, bytes], dest: Path) -> None:
+    """Write files under a fresh temp dir beside dest, then rename it into place."""
+    with atomic_directory(dest) as tmp:
+        write_files(tmp, files)
 
 
 def materialize(
@@ -734,16 +750,8 @@ def create_edit_repo(
     dest: Path, base: Base, base_files: dict[str, bytes], patches: Sequence[tuple[str, bytes]]
 ) -> None:
     """Git repo at dest: the base as one commit tagged `base`, then one commit per patch."""
-    dest = dest.absolute()
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise UserError(f"{dest}: target exists and is not empty")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
-    try:
-        for rel, data in base_files.items():
-            path = tmp / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
+    with atomic_directory(dest) as tmp:
+        write_files(tmp, base_files)
         git(tmp, "init", "--quiet", "--initial-branch=main")
         git(tmp, "config", "moerelease.base", base.version)
         git(tmp, "config", "core.autocrlf", "false")
@@ -769,12 +777,6 @@ def create_edit_repo(
                 raise UserError(
                     f"{patch_name}: does not apply to megatron-core {base.version}: {exc}"
                 ) from None
-        if dest.exists():
-            dest.rmdir()
-        os.rename(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def format_patches(repo: Path) -> list[tuple[str, bytes]]:
