@@ -100,8 +100,10 @@ def _attr_tensors(obj, prefix: str, depth: int = 0):
             yield from _attr_tensors(item, f"{prefix}[{k!r}]", depth + 1)
     elif depth == 0 and hasattr(obj, "__dict__"):
         for k, v in vars(obj).items():
-            if k not in _SKIP_ATTRS and not isinstance(v, torch.nn.Module):
-                yield from _attr_tensors(v, f"{prefix}.{k}", depth + 1)
+            # Persistent tensors (over-budget flag, static indices) are not per-step state.
+            if k in _SKIP_ATTRS or k in PERSISTENT_ATTRS or isinstance(v, torch.nn.Module):
+                continue
+            yield from _attr_tensors(v, f"{prefix}.{k}", depth + 1)
 
 
 def _node_tensors(node):
