@@ -117,19 +117,30 @@ def summarize(res: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def timing(base: str, patched: str, cfg: Dict[str, Any], rounds: int) -> Dict[str, Any]:
-    """Interleaved timing runs (base, patched, base, ...): median warm step time per variant."""
+    """Interleaved timing runs (base, patched, patched, base, ...): median warm step time."""
     # Unmeasured runs (no allocator counter, no timeline) of more steps than the measured one.
     cfg = dict(cfg, steps=max(cfg["steps"], TIMING_STEPS))
     samples: Dict[str, List[float]] = {"base": [], "patched": []}
+    round_ratios = []
     for r in range(rounds):
-        for name, tree in (("base", base), ("patched", patched)):
+        medians = {}
+        # Alternate which variant goes first, so an order effect cancels out.
+        order = [("base", base), ("patched", patched)]
+        for name, tree in order if r % 2 == 0 else order[::-1]:
             log(f"timing round {r + 1}/{rounds}: {name}")
             res = run(tree, "train", dict(cfg, measure=False))
             # A step takes as long as its slowest rank; step 0 (cold) is left out.
             per_step = [max(rk["step_times"][s] for rk in res) for s in range(1, cfg["steps"])]
             samples[name].extend(per_step)
+            medians[name] = statistics.median(per_step)
+        round_ratios.append(medians["patched"] / medians["base"])
     med = {k: statistics.median(v) for k, v in samples.items()}
-    return {"samples": samples, "median": med, "ratio": med["patched"] / med["base"]}
+    return {
+        "samples": samples,
+        "median": med,
+        "ratio": med["patched"] / med["base"],
+        "round_ratios": round_ratios,
+    }
 
 
 def fmt_bytes(n: Optional[int]) -> str:
@@ -167,8 +178,10 @@ def table(report: Dict[str, Any]) -> str:
         "",
         f"{'median warm step time (s)':34}{t['median']['base']:>16.4f}"
         f"{t['median']['patched']:>16.4f}{t['ratio']:>14.3f}",
-        f"  ({len(t['samples']['base'])} warm steps per variant from interleaved runs; a step"
-        " lasts as long as its slowest rank)",
+        f"  ({len(t['samples']['base'])} warm steps per variant from {len(t['round_ratios'])}"
+        " interleaved rounds; a step lasts as long as its slowest rank; per-round ratios "
+        + ", ".join(f"{x:.3f}" for x in t["round_ratios"])
+        + ")",
     ]
     eq = report["bitwise"]
     lines.append(
@@ -345,7 +358,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--out", default=str(REPO_ROOT / ".build" / "report"), help="output dir")
     parser.add_argument("--quick", action="store_true", help="small run, no sweep (for tests)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the layers x tokens sweep")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
+    parser.add_argument(
+        "--rounds", type=int, default=6, help="interleaved timing rounds (even: order alternates)"
+    )
     parser.add_argument("--record-golden", metavar="PATH", help="write golden values to PATH")
     args = parser.parse_args(argv)
 
