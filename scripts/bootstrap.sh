@@ -41,26 +41,10 @@ fi
 export NO_VCS_VERSION=1
 export PYTHONDONTWRITEBYTECODE=1
 
-# materialize_trees: the patched tree and the pristine base (+ our new modules) under .build/trees,
-# one directory per label so a changed series or module gets a fresh tree.
+# materialize_trees: the patched tree and the pristine base (+ our new modules) under .build/trees
+# (scripts/moe_release.py trees), exported as MOE_RELEASE_TREE and MOE_RELEASE_BASE_TREE.
 materialize_trees() {
-    local label base_label
-    label="$("$PY" "$ROOT/scripts/moe_release.py" label)"
-    base_label="$("$PY" "$ROOT/scripts/moe_release.py" label --no-series)"
-    mkdir -p "$ROOT/.build/trees"
-    if [ ! -d "$ROOT/.build/trees/$label" ]; then
-        "$PY" "$ROOT/scripts/moe_release.py" materialize "$ROOT/.build/trees/$label" >&2
-    fi
-    if [ ! -d "$ROOT/.build/trees/base-$base_label" ]; then
-        "$PY" "$ROOT/scripts/moe_release.py" materialize --no-series \
-            "$ROOT/.build/trees/base-$base_label" >&2
-    fi
-    for old in "$ROOT"/.build/trees/*; do
-        case "$(basename "$old")" in
-            "$label" | "base-$base_label") ;;
-            *) rm -rf "$old" ;;
-        esac
-    done
-    export MOE_RELEASE_TREE="$ROOT/.build/trees/$label"
-    export MOE_RELEASE_BASE_TREE="$ROOT/.build/trees/base-$base_label"
+    local exports
+    exports="$("$PY" "$ROOT/scripts/moe_release.py" trees)"
+    eval "$exports"
 }

@@ -51,14 +51,8 @@ def trees() -> Tuple[str, str]:
     patched = os.environ.get("MOE_RELEASE_TREE")
     if base and patched:
         return base, patched
-    out = []
-    for series in (False, True):
-        tree = moe_release.load_tree(series=series)
-        dest = REPO_ROOT / ".build" / "trees" / (("" if series else "base-") + tree.version)
-        if not dest.exists():
-            moe_release.write_tree_atomic(tree.files, dest)
-        out.append(str(dest))
-    return out[0], out[1]
+    base_path, patched_path = moe_release.ensure_trees()
+    return str(base_path), str(patched_path)
 
 
 def run(tree: str, target: str, cfg: Dict[str, Any], timeout: float = 900) -> List[Any]:

@@ -8,6 +8,7 @@ Verbs:
   export       write the commits of an `edit` repo back into the series (churn-free)
   check        every series applies with zero fuzz, round-trips byte-for-byte, has trailers
   verify       does an installed megatron-core match this repo's series?
+  trees        materialize the base and patched trees the tests run against
   label        print the overlay version label of a base's series
 
 The logic is pure functions over bytes (parse_series, parse_patch, apply_file_patch, ...); the
@@ -24,6 +25,7 @@ import json
 import os
 import py_compile
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -651,15 +653,12 @@ def load_tree(
     version: Optional[str] = None,
     series: bool = True,
     root: Path = REPO_ROOT,
-    upto: Optional[int] = None,
     compile_check: bool = False,
 ) -> Tree:
     """Pins + cached sdist + repo series + overlay -> Tree."""
     pins = load_pins(root / "patches" / "pins.toml")
     base = pins.get(version)
     patches = read_series(base, root) if series else []
-    if upto is not None:
-        patches = patches[:upto]
     base_files = read_sdist(fetch_sdist(base))
     return build_tree(base, base_files, patches, overlay_files(root), compile_check=compile_check)
 
@@ -709,6 +708,26 @@ def materialize(
     tree = load_tree(version, series=series, root=root)
     write_tree_atomic(tree.files, dest)
     return tree
+
+
+def ensure_trees(root: Path = REPO_ROOT) -> tuple[Path, Path]:
+    """(base tree, patched tree) under .build/trees, what tests and the report run against.
+
+    The base tree is the pristine sdist plus this repo's new modules (no series). Each tree's
+    directory is named by its version label, so a changed series or module gets a fresh one;
+    trees of other labels are removed.
+    """
+    trees_dir = root / ".build" / "trees"
+    base, patched = load_tree(series=False, root=root), load_tree(root=root)
+    wanted = {f"base-{base.version}": base, patched.version: patched}
+    for name, tree in wanted.items():
+        if not (trees_dir / name).exists():
+            log(f"materializing {trees_dir / name}")
+            write_tree_atomic(tree.files, trees_dir / name)
+    for old in trees_dir.iterdir():
+        if old.name not in wanted:
+            shutil.rmtree(old, ignore_errors=True)
+    return trees_dir / f"base-{base.version}", trees_dir / patched.version
 
 
 # --------------------------------------------------------------------------------------------
@@ -1026,6 +1045,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_trees(args: argparse.Namespace) -> int:
+    base, patched = ensure_trees()
+    print(f"export MOE_RELEASE_BASE_TREE={shlex.quote(str(base))}")
+    print(f"export MOE_RELEASE_TREE={shlex.quote(str(patched))}")
+    return 0
+
+
 def _cmd_label(args: argparse.Namespace) -> int:
     base = load_pins().get(args.base)
     patches = read_series(base) if not args.no_series else []
@@ -1062,6 +1088,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = verb("verify", "report whether an installed megatron-core matches this repo's series")
     p.add_argument("--python", default=sys.executable, help="interpreter of the environment")
     p.set_defaults(func=_cmd_verify)
+    p = sub.add_parser(
+        "trees",
+        help="materialize the base and patched trees the tests run against, under .build/trees",
+        description="materialize the base and patched trees under .build/trees; prints "
+        "shell exports of MOE_RELEASE_BASE_TREE and MOE_RELEASE_TREE",
+    )
+    p.set_defaults(func=_cmd_trees)
     p = verb("label", "print the overlay version (base+label) of the series")
     p.add_argument("--no-series", action="store_true", help="label of the base + new modules only")
     p.set_defaults(func=_cmd_label)

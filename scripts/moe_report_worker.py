@@ -79,69 +79,30 @@ class AllocatorClock:
         return {"t_ms": t_ms, "bytes": out}
 
 
-def install_attention_cpu_shim() -> None:
-    """Report fixture: megatron's GlobalMemoryBuffer (used by the local DotProductAttention)
-    allocates on ``torch.cuda.current_device()``; without CUDA it allocates on the host."""
-    import functools
-
-    from megatron.core import utils as mcore_utils
-    from tests.unit_tests.cpu_compat import _Proxy
-
-    buffer_cls = mcore_utils.GlobalMemoryBuffer
-    if torch.cuda.is_available() or getattr(buffer_cls, "_moe_release_cpu", False):
-        return
-    original = buffer_cls.get_tensor
-
-    @functools.wraps(original)
-    def get_tensor(self, *args, **kwargs):
-        saved = mcore_utils.torch
-        mcore_utils.torch = _Proxy(torch, cuda=_Proxy(torch.cuda, current_device=lambda: "cpu"))
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            mcore_utils.torch = saved
-
-    buffer_cls.get_tensor = get_tensor
-    buffer_cls._moe_release_cpu = True
-
-
 def build_model(cfg: Dict[str, Any]):
     """megatron-core GPTModel with MoE layers on the local spec, checkpointing every layer."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(
+    from tests.unit_tests.transformer.moe.moe_cpu_harness import moe_config
+
+    config = moe_config(
+        cfg["backend"],
+        dist.get_world_size(),
+        num_experts=cfg["experts"],
+        topk=cfg["topk"],
+        hidden=cfg["hidden"],
+        ffn=cfg["ffn"],
         num_layers=cfg["layers"],
-        hidden_size=cfg["hidden"],
-        ffn_hidden_size=cfg["ffn"],
         num_attention_heads=cfg["heads"],
-        num_moe_experts=cfg["experts"],
-        moe_ffn_hidden_size=cfg["ffn"],
-        moe_router_topk=cfg["topk"],
-        moe_router_dtype="fp32",
-        moe_token_dispatcher_type="flex",
-        moe_flex_dispatcher_backend=cfg["backend"],
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=1e-2,
-        moe_grouped_gemm=False,
-        moe_permute_fusion=False,
-        moe_router_fusion=False,
-        expert_model_parallel_size=dist.get_world_size(),
-        add_bias_linear=False,
-        bias_activation_fusion=False,
-        gradient_accumulation_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
         recompute_granularity="full",
         recompute_method="uniform",
         recompute_num_layers=1,
-        init_method_std=0.02,
         **cfg.get("config_overrides", {}),
     )
     spec = get_gpt_layer_local_spec(num_experts=cfg["experts"], moe_grouped_gemm=False)
@@ -218,10 +179,11 @@ def _run_steps(cfg, model, opt, clock, mark, losses, norms, times) -> None:
 def train(cfg: Dict[str, Any]) -> Dict[str, Any]:
     """Build the model and run cfg['steps'] steps; losses, norms, memory, timing, held state."""
     from megatron.core.transformer.moe import moe_memory_probe as probe
+    from tests.unit_tests import cpu_compat
     from tests.unit_tests.transformer.moe.moe_cpu_harness import init_megatron
 
     init_megatron(ep=dist.get_world_size(), seed=cfg["seed"])
-    install_attention_cpu_shim()
+    cpu_compat.install_attention_cpu_shim()
     torch.manual_seed(cfg["seed"])
     clock = AllocatorClock(_device()) if cfg["measure"] else None
     losses: List[float] = []

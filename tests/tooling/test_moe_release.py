@@ -390,7 +390,7 @@ def cli(*args: str, cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(
-    "verb", ["fetch", "materialize", "edit", "export", "check", "verify", "label"]
+    "verb", ["fetch", "materialize", "edit", "export", "check", "verify", "trees", "label"]
 )
 def test_every_verb_has_help(verb):
     result = cli(verb, "--help")
@@ -415,3 +415,20 @@ def test_cli_check_and_label():
     assert "0.19.2: OK" in result.stdout and "0.18.2: no series yet" in result.stdout
     label = cli("label").stdout.strip()
     assert label == mr.load_tree().version
+
+
+def test_trees_are_made_once_per_label_and_stale_ones_removed(repo):
+    stale = repo / ".build" / "trees" / "0.19.2+moerelease.0.stale"
+    stale.mkdir(parents=True)
+    base, patched = mr.ensure_trees(root=repo)
+    assert not stale.exists()
+    assert base.name == "base-" + mr.load_tree(series=False, root=repo).version
+    assert patched.name == mr.load_tree(root=repo).version
+    assert (patched / mr.MANIFEST_PATH).exists() and (base / mr.MANIFEST_PATH).exists()
+    info = patched / mr.PACKAGE_INFO
+    before = info.stat().st_mtime_ns
+    assert mr.ensure_trees(root=repo) == (base, patched)
+    assert info.stat().st_mtime_ns == before
+    # The base tree carries the new modules but none of the series.
+    router = "megatron/core/transformer/moe/router.py"
+    assert (base / router).read_bytes() != (patched / router).read_bytes()

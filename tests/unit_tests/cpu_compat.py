@@ -141,20 +141,40 @@ def install_base_tree_shims() -> list:
     if _needs_router_shim():
         from megatron.core.transformer.moe import router
 
-        original_gating = router.Router.gating
-
-        @functools.wraps(original_gating)
-        def gating(self, input):
-            saved = router.torch
-            router.torch = _Proxy(torch, cuda=_Proxy(torch.cuda, current_device=lambda: "cpu"))
-            try:
-                return original_gating(self, input)
-            finally:
-                router.torch = saved
-
-        router.Router.gating = gating
+        _with_host_current_device(router, router.Router, "gating")
         installed.append("router_device")
     return installed
+
+
+def _with_host_current_device(module, cls, method: str) -> None:
+    """Wrap ``cls.method`` so that, while it runs, ``module``'s ``torch.cuda.current_device()``
+    answers "cpu" (only that module global is swapped, and restored afterwards)."""
+    original = getattr(cls, method)
+
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+        saved = module.torch
+        module.torch = _Proxy(torch, cuda=_Proxy(torch.cuda, current_device=lambda: "cpu"))
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            module.torch = saved
+
+    setattr(cls, method, wrapper)
+
+
+def install_attention_cpu_shim() -> bool:
+    """Fixture for models with attention: megatron's GlobalMemoryBuffer (used by the local
+    DotProductAttention) allocates on ``torch.cuda.current_device()``; without CUDA it
+    allocates on the host. Idempotent; returns whether it installed anything."""
+    from megatron.core import utils as mcore_utils
+
+    buffer_cls = mcore_utils.GlobalMemoryBuffer
+    if torch.cuda.is_available() or getattr(buffer_cls, "_moe_release_cpu", False):
+        return False
+    _with_host_current_device(mcore_utils, buffer_cls, "get_tensor")
+    buffer_cls._moe_release_cpu = True
+    return True
 
 
 def teardown_megatron_state() -> None:

@@ -60,21 +60,13 @@ HIDDEN = 16
 def _setup(ep):
     import torch
 
-    from megatron.core import parallel_state
-    from tests.unit_tests.cpu_compat import install_base_tree_shims, install_cpu_rng_shim
+    from tests.unit_tests.transformer.moe.moe_cpu_harness import init_megatron
 
-    install_base_tree_shims()
-    install_cpu_rng_shim()
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    model_parallel_cuda_manual_seed(1234)
+    init_megatron(ep=ep, seed=1234)
     torch.manual_seed(1234)
 
 
 def _build_layers(dispatcher, backend, ep, num_layers=NUM_LAYERS, recompute="none", **extra):
-    import dataclasses
-
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
     from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -104,8 +96,7 @@ def _build_layers(dispatcher, backend, ep, num_layers=NUM_LAYERS, recompute="non
         kwargs["moe_flex_dispatcher_backend"] = backend
     else:
         kwargs.update(moe_expert_capacity_factor=2.0, moe_pad_expert_input_to_capacity=True)
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    kwargs.update({k: v for k, v in extra.items() if k in fields})
+    kwargs.update(extra)
     config = TransformerConfig(**kwargs)
     submodules = get_submodules(
         get_gpt_layer_local_submodules(num_experts=4, moe_grouped_gemm=False).mlp
@@ -196,9 +187,6 @@ class _Tracker:
         return counts
 
 
-_PERSISTENT = ("over_budget", "sort_input_by_local_experts", "restore_output_by_local_experts")
-
-
 def _tensors(obj, depth=0, seen=None):
     import torch
 
@@ -222,13 +210,15 @@ def held_state_bytes(dispatcher):
     Everything reachable through instance attributes, tuples and dicts counts, except the
     persistent ones built at construction (over-budget flag, static index tensors).
     """
+    from megatron.core.transformer.moe.moe_memory_probe import PERSISTENT_ATTRS
+
     owners = [dispatcher]
     if getattr(dispatcher, "_comm_manager", None) is not None:
         owners.append(dispatcher._comm_manager)
     total, storages = 0, set()
     for owner in owners:
         for name, value in vars(owner).items():
-            if name in _PERSISTENT or name in ("config", "group", "shared_experts"):
+            if name in PERSISTENT_ATTRS or name in ("config", "group", "shared_experts"):
                 continue
             for t in _tensors(value):
                 key = t.untyped_storage().data_ptr()
