@@ -1,6 +1,6 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
-"""CPU emulation of the DeepEP / HybridEP kernels that megatron-core's flex dispatcher calls.
+"""Emulation of the DeepEP / HybridEP kernels that megatron-core's flex dispatcher calls.
 
 The emulation implements, over plain ``torch.distributed`` collectives (gloo works), the
 documented semantics of the two ``deep_ep`` Python surfaces that
@@ -18,10 +18,14 @@ documented semantics of the two ``deep_ep`` Python surfaces that
 
 Only torch and the standard library are imported, so the module can be registered as
 ``deep_ep`` before megatron-core is first imported. It never activates by itself: call
-:func:`install` explicitly (tests, the CPU memory report). Reductions accumulate in float32 and
+:func:`install` explicitly (tests, the memory report). Reductions accumulate in float32 and
 run in a fixed order (local experts ascending, then ranks ascending), so results are
 deterministic; tensors of any floating dtype are accepted, although the real kernels move
 16-bit (HybridEP) or bf16/fp8 (DeepEP) payloads only.
+
+Tensors may live on the host or on a GPU: every tensor the emulation creates is placed on the
+device of its inputs (handles included, as the real kernels keep them on the GPU), and
+collectives over a gloo group stage non-CPU tensors through host memory.
 """
 
 import importlib.util
@@ -71,15 +75,25 @@ def _group_rank(group) -> int:
     return 0 if group is None and not dist.is_initialized() else dist.get_rank(group)
 
 
+def _staged_through_host(t: torch.Tensor, group) -> bool:
+    """Whether a collective on ``t`` must go through host memory: gloo on a non-CPU tensor.
+
+    The emulation runs on CUDA tensors too (the memory report on a GPU, several ranks sharing
+    one device, where NCCL refuses a duplicate GPU). Staging explicitly keeps the result
+    independent of which collectives a torch build's gloo implements for CUDA.
+    """
+    return t.device.type != "cpu" and dist.get_backend(group) == "gloo"
+
+
 def _all_to_all(rows: torch.Tensor, send_counts: List[int], recv_counts: List[int], group):
     """Uneven all-to-all of the leading dimension; a local copy on a group of one."""
     if len(send_counts) == 1:
         return rows.clone()
-    out = rows.new_empty((sum(recv_counts),) + tuple(rows.shape[1:]))
-    dist.all_to_all_single(
-        out, rows.contiguous(), list(recv_counts), list(send_counts), group=group
-    )
-    return out
+    staged = _staged_through_host(rows, group)
+    src = rows.cpu() if staged else rows.contiguous()
+    out = src.new_empty((sum(recv_counts),) + tuple(rows.shape[1:]))
+    dist.all_to_all_single(out, src, list(recv_counts), list(send_counts), group=group)
+    return out.to(rows.device) if staged else out
 
 
 def _all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:
@@ -87,9 +101,11 @@ def _all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:
     size = _group_size(group)
     if size == 1:
         return t.clone()
-    out = t.new_empty((t.shape[0] * size,) + tuple(t.shape[1:]))
-    dist.all_gather_into_tensor(out, t.contiguous(), group=group)
-    return out
+    staged = _staged_through_host(t, group)
+    src = t.cpu() if staged else t.contiguous()
+    out = src.new_empty((t.shape[0] * size,) + tuple(t.shape[1:]))
+    dist.all_gather_into_tensor(out, src, group=group)
+    return out.to(t.device) if staged else out
 
 
 def _sum_rows(rows: torch.Tensor, index: torch.Tensor, num_out: int, out_dtype) -> torch.Tensor:
@@ -114,7 +130,7 @@ class HybridEPConfig:
 
 
 class HybridEPBuffer:
-    """CPU emulation of ``deep_ep.HybridEPBuffer`` (permute + all-to-all + permute).
+    """Emulation of ``deep_ep.HybridEPBuffer`` (permute + all-to-all + permute).
 
     The handle returned by :meth:`dispatch_with_permute` is a 9-tuple, as in the HybridEP
     release megatron-core 0.19.2 targets, whose last element is the overflow flag (an int32
@@ -144,7 +160,7 @@ class HybridEPBuffer:
         use_mnnvl: Optional[bool] = None,
     ) -> None:
         if use_fp8:
-            raise NotImplementedError("The CPU HybridEP emulation does not implement FP8 dispatch.")
+            raise NotImplementedError("The HybridEP emulation does not implement FP8 dispatch.")
         self.group = group
         self.rank = _group_rank(group)
         self.group_size = _group_size(group)
@@ -168,6 +184,7 @@ class HybridEPBuffer:
     ) -> Tuple:
         """Metadata preprocessing: every rank learns the whole routing map (one all-gather)."""
         num_tokens, num_experts = routing_map.shape
+        dev = routing_map.device
         size, rank, local = self.group_size, self.rank, num_of_experts_per_rank
         if num_experts != size * local:
             raise ValueError(
@@ -179,7 +196,7 @@ class HybridEPBuffer:
         to_rank = routing_map.bool().view(num_tokens, size, local).any(-1)
         send_ids = [torch.nonzero(to_rank[:, d]).flatten() for d in range(size)]
         send_token_ids = torch.cat(send_ids)
-        send_counts = torch.tensor([len(ids) for ids in send_ids], dtype=torch.long)
+        send_counts = torch.tensor([len(ids) for ids in send_ids], dtype=torch.long, device=dev)
         # What it receives: tokens of every source rank routed to its experts, source-major.
         from_src = global_map.view(size, num_tokens, size, local)[:, :, rank, :]
         recv_mask = from_src.any(-1)
@@ -192,16 +209,19 @@ class HybridEPBuffer:
             padded = len(ids)
             if pad_multiple:
                 padded += -padded % pad_multiple
-            pad = torch.full((padded - len(ids),), -1, dtype=torch.long)
+            pad = torch.full((padded - len(ids),), -1, dtype=torch.long, device=dev)
             rows.append(
                 torch.stack(
                     [torch.cat([ids, pad]), torch.cat([torch.full_like(ids, e), pad])], dim=1
                 )
             )
             counts.append(padded)
-        row_id_map = torch.cat(rows) if rows else torch.empty((0, 2), dtype=torch.long)
-        tokens_per_expert = torch.tensor(counts, dtype=torch.int32)
-        overflow = torch.zeros(1, dtype=torch.int32)
+        if rows:
+            row_id_map = torch.cat(rows)
+        else:
+            row_id_map = torch.empty((0, 2), dtype=torch.long, device=dev)
+        tokens_per_expert = torch.tensor(counts, dtype=torch.int32, device=dev)
+        overflow = torch.zeros(1, dtype=torch.int32, device=dev)
         if num_permuted_tokens is not None:
             total = row_id_map.shape[0]
             if total > num_permuted_tokens:
@@ -217,7 +237,9 @@ class HybridEPBuffer:
                     .to(torch.int32)
                 )
             else:
-                tail = torch.full((num_permuted_tokens - total, 2), -1, dtype=torch.long)
+                tail = torch.full(
+                    (num_permuted_tokens - total, 2), -1, dtype=torch.long, device=dev
+                )
                 row_id_map = torch.cat([row_id_map, tail])
         config = HybridEPConfig(
             hidden_dim=self.hidden_dim,
@@ -228,7 +250,7 @@ class HybridEPBuffer:
             num_permuted_tokens=num_permuted_tokens,
             tokens_per_expert=tokens_per_expert,
         )
-        num_dispatched = torch.tensor([local_map.shape[0]], dtype=torch.int32)
+        num_dispatched = torch.tensor([local_map.shape[0]], dtype=torch.int32, device=dev)
         handle = (
             send_token_ids,
             send_counts,
@@ -267,7 +289,7 @@ class HybridEPBuffer:
         no routing map or probabilities are needed.
         """
         if use_fp8:
-            raise NotImplementedError("The CPU HybridEP emulation does not implement FP8 dispatch.")
+            raise NotImplementedError("The HybridEP emulation does not implement FP8 dispatch.")
         if non_blocking and (num_permuted_tokens is None or num_permuted_tokens < 0):
             raise ValueError("num_permuted_tokens is required for non-blocking mode.")
         num_tokens, _ = hidden.shape
@@ -275,10 +297,14 @@ class HybridEPBuffer:
             if routing_map is None:
                 if topk_idx is None or num_of_experts is None:
                     raise ValueError("dispatch_with_permute needs a routing map or a handle.")
-                routing_map = torch.zeros(num_tokens, num_of_experts, dtype=torch.bool)
+                routing_map = torch.zeros(
+                    num_tokens, num_of_experts, dtype=torch.bool, device=hidden.device
+                )
                 routing_map.scatter_(1, topk_idx.long(), True)
                 if topk_weights is not None:
-                    probs = torch.zeros(num_tokens, num_of_experts, dtype=torch.float32)
+                    probs = torch.zeros(
+                        num_tokens, num_of_experts, dtype=torch.float32, device=hidden.device
+                    )
                     probs = probs.scatter(1, topk_idx.long(), topk_weights.float())
             if routing_map.dtype != torch.bool or routing_map.shape[0] != num_tokens:
                 raise ValueError("routing_map must be bool with one row per token of hidden.")
@@ -305,10 +331,14 @@ class HybridEPBuffer:
         if probs is not None:
             # Each destination only needs the probability columns of its own experts.
             per_dest = probs.float().reshape(num_tokens, size, local)
-            dest_of_row = torch.repeat_interleave(torch.arange(size), send_counts)
+            dest_of_row = torch.repeat_interleave(
+                torch.arange(size, device=send_counts.device), send_counts
+            )
             send_probs = per_dest[send_token_ids, dest_of_row]
             recv_probs = _all_to_all(send_probs, sends, recvs, self.group)
-            out_probs = torch.zeros(row_id_map.shape[0], dtype=torch.float32)
+            out_probs = torch.zeros(
+                row_id_map.shape[0], dtype=torch.float32, device=row_id_map.device
+            )
             out_probs[valid] = recv_probs[row_id_map[valid, 0], row_id_map[valid, 1]]
         return out, out_probs, None, tokens_per_expert, handle
 
@@ -347,11 +377,13 @@ class HybridEPBuffer:
 
         out_probs = None
         if probs is not None:
-            recv_probs = torch.zeros(m, local, dtype=torch.float32)
+            recv_probs = torch.zeros(m, local, dtype=torch.float32, device=hidden.device)
             recv_probs[row_id_map[valid, 0], row_id_map[valid, 1]] = probs.float()[valid]
             back_probs = _all_to_all(recv_probs, recvs, sends, self.group)
-            dest_of_row = torch.repeat_interleave(torch.arange(size), send_counts)
-            out_probs = torch.zeros(n, size, local, dtype=torch.float32)
+            dest_of_row = torch.repeat_interleave(
+                torch.arange(size, device=send_counts.device), send_counts
+            )
+            out_probs = torch.zeros(n, size, local, dtype=torch.float32, device=hidden.device)
             out_probs[send_token_ids, dest_of_row] = back_probs
             out_probs = out_probs.view(n, size * local)
         return out, out_probs
@@ -374,7 +406,7 @@ class Config:
 
 
 class Buffer:
-    """CPU emulation of ``deep_ep.Buffer`` in intranode normal (non-low-latency) mode.
+    """Emulation of ``deep_ep.Buffer`` in intranode normal (non-low-latency) mode.
 
     The dispatch handle is ``(rank_prefix_matrix, send_counts, recv_counts, recv_src_idx,
     is_token_in_rank, send_token_ids)``; ``recv_src_idx`` is the source-rank token index of every
@@ -393,7 +425,7 @@ class Buffer:
         **kwargs,
     ) -> None:
         if low_latency_mode:
-            raise NotImplementedError("The CPU DeepEP emulation implements normal mode only.")
+            raise NotImplementedError("The DeepEP emulation implements normal mode only.")
         self.group = group
         self.rank = _group_rank(group)
         self.group_size = _group_size(group)
@@ -434,7 +466,7 @@ class Buffer:
         valid = idx >= 0
         num_tokens_per_expert = torch.bincount(idx[valid], minlength=num_experts).to(torch.int32)
         dest = torch.where(valid, idx // local, torch.full_like(idx, size))
-        is_token_in_rank = torch.zeros(idx.shape[0], size + 1, dtype=torch.bool)
+        is_token_in_rank = torch.zeros(idx.shape[0], size + 1, dtype=torch.bool, device=idx.device)
         is_token_in_rank.scatter_(1, dest, True)
         is_token_in_rank = is_token_in_rank[:, :size].contiguous()
         num_tokens_per_rank = is_token_in_rank.sum(0).to(torch.int32)
@@ -475,7 +507,9 @@ class Buffer:
         num_tokens = x.shape[0]
         send_ids = [torch.nonzero(is_token_in_rank[:, d]).flatten() for d in range(size)]
         send_token_ids = torch.cat(send_ids)
-        send_counts = torch.tensor([len(ids) for ids in send_ids], dtype=torch.long)
+        send_counts = torch.tensor(
+            [len(ids) for ids in send_ids], dtype=torch.long, device=x.device
+        )
         counts_all = _all_gather_rows(send_counts.view(1, size), self.group)  # [src, dst]
         recv_counts = counts_all[:, rank].contiguous()
         sends, recvs = send_counts.tolist(), recv_counts.tolist()
@@ -531,7 +565,7 @@ class Buffer:
         Returns ``(combined_x[N, H], combined_topk_weights[N, K] | None, event)``.
         """
         if bias is not None:
-            raise NotImplementedError("The CPU DeepEP emulation does not implement combine bias.")
+            raise NotImplementedError("The DeepEP emulation does not implement combine bias.")
         _, send_counts, recv_counts, _, is_token_in_rank, send_token_ids = handle
         sends, recvs = send_counts.tolist(), recv_counts.tolist()
         num_tokens = is_token_in_rank.shape[0]
@@ -567,7 +601,7 @@ def install(force: bool = False) -> types.ModuleType:
         )
     if _real_deep_ep_importable() and not force:
         raise RuntimeError(
-            "A real deep_ep is importable; refusing to shadow it with the CPU emulation "
+            "A real deep_ep is importable; refusing to shadow it with the emulation "
             "(pass force=True to override)."
         )
     module = sys.modules[__name__]

@@ -14,6 +14,7 @@ from typing import Callable, Dict, Tuple
 import torch
 import torch.distributed as dist
 
+from tests.unit_tests.device_placement import FactoryPlacement
 from tests.unit_tests.transformer.moe import moe_cpu_harness as harness
 
 Verdicts = Dict[str, Tuple[bool, str]]
@@ -459,9 +460,19 @@ def emulation_and_layer_job(tree_kind: str = "patched") -> Verdicts:
     emu = _emulation()
     verdicts: Verdicts = {}
     base_shim_checks(tree_kind, info["shims"], verdicts)
-    hybrid_ep_kernel_checks(emu, verdicts)
-    if world > 1:
-        deep_ep_kernel_checks(emu, verdicts)
+    # Every tensor the emulation creates must follow its inputs' device, or the same code
+    # breaks on CUDA tensors; on the host only an explicit device= shows that.
+    placement = FactoryPlacement([emu.__file__])
+    with placement:
+        hybrid_ep_kernel_checks(emu, verdicts)
+        if world > 1:
+            deep_ep_kernel_checks(emu, verdicts)
+    _check(
+        verdicts,
+        "emulation-kernel-factories-name-a-device",
+        (placement.calls > 0, placement.missing),
+        (True, []),
+    )
     backends = ["hybridep"] + (["deepep"] if world > 1 else [])
     for backend in backends:
         dispatcher_checks(backend, verdicts)
