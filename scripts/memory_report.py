@@ -4,20 +4,28 @@
 """Side-by-side memory report: unpatched megatron-core against the moe-release series.
 
 One invocation runs the same small MoE training job (megatron-core GPTModel, MoE layers with
-the flex dispatcher and HybridEP, every layer checkpointed, EP=2 over gloo) on the pristine base
+the flex dispatcher and HybridEP, every layer checkpointed, EP=2) on the pristine base
 and on the patched tree, in separate processes with the same seeds, and prints per rank: memory
 held between calls, cold and warm peaks (allocator level), bytes each MoE layer's dispatcher
 keeps alive between calls, the median step time of interleaved timing runs, and whether losses
 and gradients are bitwise equal. A sweep over layers x tokens shows how retained memory grows
 with work. Figures go to JSON and a PNG next to it; `--record-golden` writes golden values.
+
+Where it runs (``--device``, ``--kernels``; see :func:`resolve_runtime`): on a host without a
+GPU, CPU tensors over gloo with the deep_ep emulation, measured by the counting CPU allocator.
+With a GPU, CUDA tensors measured by CUDA's caching-allocator statistics, with the real deep_ep
+kernels over NCCL where deep_ep is installed and there is a GPU per rank, and otherwise the
+emulation on CUDA tensors over gloo (ranks may share one GPU).
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -55,11 +63,103 @@ def trees() -> Tuple[str, str]:
     return str(base_path), str(patched_path)
 
 
-def run(tree: str, target: str, cfg: Dict[str, Any], timeout: float = 900) -> List[Any]:
-    """Run a worker function on WORLD ranks over the given tree."""
+class ReportError(Exception):
+    """A request the report cannot honour; printed as one line, exit status 2."""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where the ranks run: tensor device, kernels, process-group backend."""
+
+    device: str  # "cpu" or "cuda"
+    kernels: str  # "emulation" or "deep_ep"
+    backend: str  # "gloo" or "nccl"
+
+    def describe(self) -> str:
+        """One phrase for the table header."""
+        if self.kernels == "deep_ep":
+            return "CUDA, deep_ep kernels over NCCL, CUDA caching-allocator statistics"
+        if self.device == "cuda":
+            return (
+                "CUDA tensors, deep_ep emulation over gloo (host-staged), "
+                "CUDA caching-allocator statistics"
+            )
+        return "CPU, deep_ep emulation over gloo, counting CPU allocator"
+
+
+def resolve_runtime(
+    device: str, kernels: str, world: int, cuda_devices: int, deep_ep: Optional[str]
+) -> Runtime:
+    """Choose device, kernels and backend from the request and what the machine has.
+
+    ``device``: "auto" | "cpu" | "cuda"; ``kernels``: "auto" | "emulation" | "deep_ep";
+    ``cuda_devices``: visible GPUs; ``deep_ep``: None if no deep_ep is importable, else which
+    of its surfaces megatron's HybridEP backend needs is missing ("" when none is). "auto"
+    prefers a GPU, and on a GPU the real kernels when they can run: a GPU per rank (NCCL
+    refuses two ranks on one GPU) and a deep_ep with ``HybridEPBuffer``.
+    """
+    if device not in ("auto", "cpu", "cuda"):
+        raise ReportError(f"--device {device}: expected auto, cpu or cuda")
+    if kernels not in ("auto", "emulation", "deep_ep"):
+        raise ReportError(f"--kernels {kernels}: expected auto, emulation or deep_ep")
+    if device == "auto":
+        device = "cuda" if cuda_devices else "cpu"
+    if device == "cuda" and not cuda_devices:
+        raise ReportError(
+            "--device cuda: no CUDA device is visible (torch.cuda.device_count() = 0)"
+        )
+    real_ok = device == "cuda" and deep_ep == "" and cuda_devices >= world
+    if kernels == "deep_ep" and not real_ok:
+        if device != "cuda":
+            why = "the real kernels need CUDA; use --device cuda on a GPU machine"
+        elif deep_ep is None:
+            why = "deep_ep is not importable"
+        elif deep_ep:
+            why = f"the installed deep_ep lacks {deep_ep} (HybridEP is on its hybrid-ep branch)"
+        else:
+            why = f"{world} ranks need {world} GPUs for NCCL, {cuda_devices} visible"
+        raise ReportError(f"--kernels deep_ep: {why}")
+    if kernels == "auto":
+        kernels = "deep_ep" if real_ok else "emulation"
+    return Runtime(device, kernels, "nccl" if kernels == "deep_ep" else "gloo")
+
+
+def probe_machine() -> Tuple[int, Optional[str]]:
+    """(visible CUDA devices, deep_ep status as :func:`resolve_runtime` takes it)."""
+    import torch
+
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not cuda or importlib.util.find_spec("deep_ep") is None:
+        return cuda, None
+    try:
+        import deep_ep
+    except Exception as exc:  # an installed but broken extension: use the emulation
+        log(f"deep_ep is installed but does not import ({exc}); using the emulation")
+        return cuda, None
+    return cuda, "" if hasattr(deep_ep, "HybridEPBuffer") else "HybridEPBuffer"
+
+
+CPU = Runtime("cpu", "emulation", "gloo")
+
+
+def run(
+    tree: str, target: str, cfg: Dict[str, Any], runtime: Runtime = CPU, timeout: float = 900
+) -> List[Any]:
+    """Run a worker function on WORLD ranks over the given tree, where ``runtime`` says."""
     from tests.unit_tests.dist_utils import run_distributed
 
-    return run_distributed(f"{WORKER}:{target}", WORLD, tree, kwargs={"cfg": cfg}, timeout=timeout)
+    emulated = runtime.kernels == "emulation"
+    return run_distributed(
+        f"{WORKER}:{target}",
+        WORLD,
+        tree,
+        kwargs={"cfg": cfg},
+        timeout=timeout,
+        emulate_deep_ep=emulated,
+        device=runtime.device,
+        backend=runtime.backend,
+        force_emulation=emulated,
+    )
 
 
 def bitwise_equal(a: List[Dict[str, Any]], b: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -110,7 +210,9 @@ def summarize(res: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
-def timing(base: str, patched: str, cfg: Dict[str, Any], rounds: int) -> Dict[str, Any]:
+def timing(
+    base: str, patched: str, cfg: Dict[str, Any], rounds: int, runtime: Runtime = CPU
+) -> Dict[str, Any]:
     """Interleaved timing runs (base, patched, patched, base, ...): median warm step time."""
     # Unmeasured runs (no allocator counter, no timeline) of more steps than the measured one.
     cfg = dict(cfg, steps=max(cfg["steps"], TIMING_STEPS))
@@ -122,7 +224,7 @@ def timing(base: str, patched: str, cfg: Dict[str, Any], rounds: int) -> Dict[st
         order = [("base", base), ("patched", patched)]
         for name, tree in order if r % 2 == 0 else order[::-1]:
             log(f"timing round {r + 1}/{rounds}: {name}")
-            res = run(tree, "train", dict(cfg, measure=False))
+            res = run(tree, "train", dict(cfg, measure=False), runtime)
             # A step takes as long as its slowest rank; step 0 (cold) is left out.
             per_step = [max(rk["step_times"][s] for rk in res) for s in range(1, cfg["steps"])]
             samples[name].extend(per_step)
@@ -152,8 +254,9 @@ def table(report: Dict[str, Any]) -> str:
     lines.append(
         f"megatron-core {report['versions']['base']} vs {report['versions']['patched']}"
         f" | GPTModel, {cfg['layers']} MoE layers, {cfg['experts']} experts top-{cfg['topk']},"
-        f" hidden {cfg['hidden']}, {cfg['tokens']} tokens/rank, EP={WORLD} (gloo, CPU),"
+        f" hidden {cfg['hidden']}, {cfg['tokens']} tokens/rank, EP={WORLD},"
         f" full recompute, {cfg['steps']} steps"
+        f"\nruns on: {Runtime(**report.get('runtime', asdict(CPU))).describe()}"
     )
     head = f"{'':34}{'base':>16}{'patched':>16}{'patched/base':>14}"
     for rank, (b, p) in enumerate(zip(report["base"], report["patched"])):
@@ -267,12 +370,12 @@ def plot(report: Dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def measure(base: str, patched: str, cfg: Dict[str, Any]) -> Dict[str, Any]:
+def measure(base: str, patched: str, cfg: Dict[str, Any], runtime: Runtime = CPU) -> Dict[str, Any]:
     """One measured run per variant: memory figures, timelines, and bitwise comparison."""
     runs = {}
     for name, tree in (("base", base), ("patched", patched)):
         log(f"measured run: {name} ({Path(tree).name})")
-        runs[name] = run(tree, "train", dict(cfg, measure=True, timeline=True, grads=True))
+        runs[name] = run(tree, "train", dict(cfg, measure=True, timeline=True, grads=True), runtime)
     return {
         "base": [summarize(r) for r in runs["base"]],
         "patched": [summarize(r) for r in runs["patched"]],
@@ -356,12 +459,35 @@ def main(argv: Optional[List[str]] = None) -> int:
         "--rounds", type=int, default=6, help="interleaved timing rounds (even: order alternates)"
     )
     parser.add_argument("--record-golden", metavar="PATH", help="write golden values to PATH")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="where tensors live (auto: cuda when a GPU is visible)",
+    )
+    parser.add_argument(
+        "--kernels",
+        default="auto",
+        choices=("auto", "emulation", "deep_ep"),
+        help="dispatch kernels (auto: real deep_ep on a GPU per rank when installed)",
+    )
     args = parser.parse_args(argv)
-
-    from tests.unit_tests import cpu_memory
+    try:
+        runtime = resolve_runtime(args.device, args.kernels, WORLD, *probe_machine())
+        if args.record_golden and runtime.device != "cpu":
+            raise ReportError(
+                "--record-golden: golden values hold CPU-allocator figures; add --device cpu"
+            )
+    except ReportError as exc:
+        print(f"memory_report: {exc}", file=sys.stderr)
+        return 2
+    log(f"runs on: {runtime.describe()}")
 
     started = time.monotonic()
-    cpu_memory.build()
+    if runtime.device == "cpu":
+        from tests.unit_tests import cpu_memory
+
+        cpu_memory.build()
     base, patched = trees()
     if args.record_golden:
         cfg = dict(GOLDEN_CONFIG)
@@ -374,16 +500,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             "patched": moe_release.load_tree().version,
         },
         "trees": {"base": base, "patched": patched},
+        "runtime": asdict(runtime),
     }
-    report.update(measure(base, patched, cfg))
+    report.update(measure(base, patched, cfg, runtime))
     rounds = 1 if args.quick or args.record_golden else args.rounds
-    report["timing"] = timing(base, patched, cfg, rounds)
+    report["timing"] = timing(base, patched, cfg, rounds, runtime)
     if not (args.quick or args.no_sweep or args.record_golden):
         points = [(layer, tok) for layer in SWEEP_LAYERS for tok in SWEEP_TOKENS]
         report["sweep"] = {}
         for name, tree in (("base", base), ("patched", patched)):
             log(f"sweep: {name}, {len(points)} points")
-            res = run(tree, "sweep", dict(cfg, points=points), timeout=1800)
+            res = run(tree, "sweep", dict(cfg, points=points), runtime, timeout=1800)
             report["sweep"][name] = res[0]
     report["targets"] = targets(report)
     report["wall_s"] = round(time.monotonic() - started, 1)

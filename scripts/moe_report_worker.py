@@ -2,8 +2,9 @@
 
 """Rank side of the memory report: a small but real megatron-core MoE training run.
 
-Runs inside ranks spawned by ``tests.unit_tests.dist_utils`` (gloo, one thread, the tree under
-test first on the path, the CPU deep_ep emulation installed before megatron is imported). The
+Runs inside ranks spawned by ``tests.unit_tests.dist_utils`` (one thread, the tree under test
+first on the path, the deep_ep emulation installed before megatron is imported unless the real
+kernels run; gloo, or NCCL with the real kernels). The
 model is megatron-core's GPTModel on the local (non-TE) layer spec with MoE layers: the real
 TopKRouter, MoEFlexTokenDispatcher with the HybridEP manager, SequentialMLP experts, and every
 layer checkpointed (full recompute, uniform, one layer per CheckpointFunction). Dense gradients
@@ -16,7 +17,7 @@ started), on CUDA by the caching allocator's counters.
 
 import gc
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,8 @@ class AllocatorClock:
     """Live allocator bytes at named instants and the peak of each start/end window.
 
     CPU: the counting allocator of ``tests/unit_tests/cpu_memory.py`` (every thread, exact
-    bytes of tensor storage). CUDA: the caching allocator's counters.
+    bytes of tensor storage). CUDA: the caching allocator's counters (``memory_allocated``,
+    ``max_memory_allocated``) and, for the timeline, its allocation trace.
     """
 
     def __init__(self, device: torch.device):
@@ -59,24 +61,66 @@ class AllocatorClock:
             self.marks[label[: -len(":end")] + ":peak"] = self.mem.max_memory_allocated()
 
     def record(self) -> None:
-        """Start a (time, live bytes) timeline (CPU only)."""
+        """Start a (time, live bytes) timeline: every allocation and free from now on."""
         if self.device.type == "cpu":
             self.mem.start_recording()
             self.t0 = self.mem.now_ns()
+        else:
+            torch.cuda.synchronize()
+            self.baseline = torch.cuda.memory_allocated()
+            # No stack capture: only the trace of allocations and frees is needed.
+            torch.cuda.memory._record_memory_history(
+                enabled="all", context=None, stacks="python", max_entries=2_000_000
+            )
 
     def timeline(self, points: int = 400) -> Dict[str, List[float]]:
         """Stop recording; live bytes over time, downsampled keeping each bucket's maximum."""
-        if self.device.type != "cpu":
-            return {"t_ms": [], "bytes": []}
-        times, values = self.mem.stop_recording()
-        pts = sorted(zip(times, values))
-        size = max(len(pts) // points, 1)
-        t_ms, out = [], []
-        for i in range(0, len(pts), size):
-            chunk = pts[i : i + size]
-            t_ms.append((chunk[0][0] - self.t0) / 1e6)
-            out.append(max(b for _, b in chunk))
-        return {"t_ms": t_ms, "bytes": out}
+        if self.device.type == "cpu":
+            times, values = self.mem.stop_recording()
+            pts = sorted(zip(times, values))
+            t0 = self.t0
+        else:
+            torch.cuda.synchronize()
+            snapshot = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            trace = snapshot["device_traces"][self.device.index or 0]
+            pts = cuda_trace_points(trace, self.baseline)
+            t0 = pts[0][0] if pts else 0
+        return downsample(pts, t0, points)
+
+
+def cuda_trace_points(trace: List[Dict[str, Any]], baseline: int) -> List[Tuple[int, int]]:
+    """(time ns, live bytes) after each allocation and completed free of a CUDA allocator trace.
+
+    ``trace`` is one device's ``torch.cuda.memory._snapshot()["device_traces"]`` entry list
+    (``action``, ``size``, ``time_us``); ``baseline`` is ``memory_allocated()`` when recording
+    started. Segment events (the cache reserving or returning memory) do not change allocated
+    bytes; a free counts when it completes, as in ``memory_allocated``. A trace without
+    ``time_us`` (older torch) is placed by event order instead.
+    """
+    live = baseline
+    pts = []
+    for i, event in enumerate(trace):
+        action = event["action"]
+        if action == "alloc":
+            live += event["size"]
+        elif action == "free_completed":
+            live -= event["size"]
+        else:
+            continue
+        pts.append((int(event.get("time_us", i)) * 1000, live))
+    return pts
+
+
+def downsample(pts: List[Tuple[int, int]], t0: int, points: int) -> Dict[str, List[float]]:
+    """Time in ms since t0 and, per bucket of about len/points samples, the maximum bytes."""
+    size = max(len(pts) // points, 1)
+    t_ms, out = [], []
+    for i in range(0, len(pts), size):
+        chunk = pts[i : i + size]
+        t_ms.append((chunk[0][0] - t0) / 1e6)
+        out.append(max(b for _, b in chunk))
+    return {"t_ms": t_ms, "bytes": out}
 
 
 def build_model(cfg: Dict[str, Any]):
@@ -150,6 +194,12 @@ def _reduce_grads(model) -> float:
     return float((dense_sq + expert_sq).sqrt())
 
 
+def _sync() -> None:
+    """Wait for queued GPU work, so host timers measure it."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _run_steps(cfg, model, opt, clock, mark, losses, norms, times) -> None:
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
@@ -160,6 +210,7 @@ def _run_steps(cfg, model, opt, clock, mark, losses, norms, times) -> None:
         if clock and cfg.get("timeline") and step == last:
             clock.record()
         mark(f"step{step}:start")
+        _sync()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = model(tokens, pos, attention_mask=mask, labels=labels).float().mean()
@@ -170,6 +221,7 @@ def _run_steps(cfg, model, opt, clock, mark, losses, norms, times) -> None:
         get_moe_metrics_tracker().clear()
         losses.append(float(loss.detach()))
         del loss
+        _sync()
         times.append(time.perf_counter() - t0)
         mark(f"step{step}:end")
         if clock and cfg.get("timeline") and step == last:
@@ -182,6 +234,11 @@ def train(cfg: Dict[str, Any]) -> Dict[str, Any]:
     from tests.unit_tests import cpu_compat
     from tests.unit_tests.transformer.moe.moe_cpu_harness import init_megatron
 
+    if torch.cuda.is_available():
+        # Base and patched must agree bitwise on a GPU too: deterministic kernels (index_add_
+        # and scatter-add otherwise accumulate with atomics). An op without a deterministic
+        # kernel warns rather than stops the report; the bitwise row then says so.
+        torch.use_deterministic_algorithms(True, warn_only=True)
     init_megatron(ep=dist.get_world_size(), seed=cfg["seed"])
     cpu_compat.install_attention_cpu_shim()
     torch.manual_seed(cfg["seed"])

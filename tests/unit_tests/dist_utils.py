@@ -1,6 +1,6 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
-"""Spawn real torch.distributed ranks (gloo, CPU) for a test and collect their results.
+"""Spawn real torch.distributed ranks (gloo on CPU by default) and collect their results.
 
 Each rank is a fresh ``python -m tests.unit_tests.dist_utils`` subprocess, so megatron-core is
 imported from the tree under test (first on ``PYTHONPATH``) and the CPU ``deep_ep`` emulation
@@ -8,6 +8,10 @@ can be registered before megatron's first import. A rank runs ``module:function(
 pickles its return value, or its traceback, to a file. The parent waits with a deadline, kills
 every rank still running once one fails or time runs out, and raises with every rank's
 traceback and output tail.
+
+Tests run on the host with GPUs hidden. The memory report may ask for ``device="cuda"``: ranks
+then see the GPUs, each takes ``LOCAL_RANK % device_count`` (ranks may share one GPU over gloo;
+NCCL needs one GPU per rank).
 """
 
 import faulthandler
@@ -37,10 +41,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+DEVICES = ("cpu", "cuda")
+BACKENDS = ("gloo", "nccl")
+
+
 def rank_env(
-    tree: str, rank: int, world_size: int, port: int, torch_compile: bool = False
+    tree: str,
+    rank: int,
+    world_size: int,
+    port: int,
+    torch_compile: bool = False,
+    device: str = "cpu",
 ) -> Dict[str, str]:
-    """Environment of one rank: tree first on the path, one thread, no CUDA, no VCS lookup."""
+    """Environment of one rank: tree first on the path, one thread, no VCS lookup, and no
+    visible GPU unless ``device`` is "cuda"."""
     env = dict(os.environ)
     path = [tree, str(REPO_ROOT)]
     env.update(
@@ -54,9 +68,13 @@ def rank_env(
         OMP_NUM_THREADS="1",
         MKL_NUM_THREADS="1",
         NO_VCS_VERSION="1",
-        CUDA_VISIBLE_DEVICES="",
         MOE_RELEASE_TREE=tree,
     )
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    else:
+        # cuBLAS is deterministic only with a fixed workspace (torch's reproducibility notes).
+        env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if not torch_compile:
         # megatron's jit_fuser wraps e.g. dispatch_preprocess in torch.compile; compiling on
         # CPU costs 2-20 s per process. The same Python code then runs eagerly.
@@ -72,12 +90,22 @@ def run_distributed(
     timeout: float = 300.0,
     emulate_deep_ep: bool = True,
     torch_compile: bool = False,
+    device: str = "cpu",
+    backend: str = "gloo",
+    force_emulation: bool = False,
 ) -> List[Any]:
-    """Run ``target`` ("package.module:function") on ``world_size`` gloo ranks.
+    """Run ``target`` ("package.module:function") on ``world_size`` ranks.
+
+    ``force_emulation`` installs the deep_ep emulation even where a real deep_ep is importable
+    (the emulation refuses to shadow one otherwise).
 
     Returns the per-rank return values (rank order). Raises DistributedTestError with the
     tracebacks of the ranks that failed, or a timeout report; no rank outlives the call.
     """
+    if device not in DEVICES or backend not in BACKENDS:
+        raise ValueError(f"device must be one of {DEVICES} and backend one of {BACKENDS}")
+    if backend == "nccl" and device != "cuda":
+        raise ValueError("the nccl backend needs device='cuda'")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="moe_dist_") as tmp:
         job = Path(tmp)
@@ -85,6 +113,9 @@ def run_distributed(
             "target": target,
             "kwargs": kwargs or {},
             "emulate_deep_ep": emulate_deep_ep,
+            "force_emulation": force_emulation,
+            "device": device,
+            "backend": backend,
             # Hung ranks print their stacks shortly before the parent kills them.
             "dump_after": max(timeout - 10.0, 1.0),
         }
@@ -97,7 +128,7 @@ def run_distributed(
                 procs.append(
                     subprocess.Popen(
                         [sys.executable, "-m", "tests.unit_tests.dist_utils", str(job)],
-                        env=rank_env(tree, rank, world_size, port, torch_compile),
+                        env=rank_env(tree, rank, world_size, port, torch_compile, device),
                         cwd=str(REPO_ROOT),
                         stdout=log,
                         stderr=subprocess.STDOUT,
@@ -164,10 +195,13 @@ def _rank_main(job: Path) -> int:
         import torch
 
         torch.set_num_threads(1)
+        if spec["device"] == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         if spec["emulate_deep_ep"]:
             from tests.unit_tests.cpu_compat import load_deep_ep_emulation
 
-            load_deep_ep_emulation(os.environ["MOE_RELEASE_TREE"]).install()
+            emulation = load_deep_ep_emulation(os.environ["MOE_RELEASE_TREE"])
+            emulation.install(force=spec["force_emulation"])
         import importlib
 
         import torch.distributed as dist
@@ -175,7 +209,7 @@ def _rank_main(job: Path) -> int:
         module_name, func_name = spec["target"].split(":")
         func = getattr(importlib.import_module(module_name), func_name)
         dist.init_process_group(
-            "gloo",
+            spec["backend"],
             init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
             rank=rank,
             world_size=int(os.environ["WORLD_SIZE"]),

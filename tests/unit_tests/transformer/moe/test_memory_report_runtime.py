@@ -1,0 +1,111 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""Where the memory report runs: device and kernel choice, refusals, and the CUDA timeline.
+
+The GPU path itself needs a GPU (``scripts/device-check`` runs it there); these tests cover what
+decides it and what converts its allocator trace, on the host.
+"""
+
+import sys
+
+import pytest
+
+from tests.unit_tests.dist_utils import REPO_ROOT, rank_env, run_distributed
+
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+import memory_report  # noqa: E402
+import moe_report_worker  # noqa: E402
+
+Runtime, ReportError = memory_report.Runtime, memory_report.ReportError
+
+
+@pytest.mark.parametrize(
+    "device, kernels, gpus, deep_ep, expected",
+    [
+        ("auto", "auto", 0, None, Runtime("cpu", "emulation", "gloo")),
+        ("auto", "auto", 1, None, Runtime("cuda", "emulation", "gloo")),
+        # One GPU for two ranks: NCCL refuses a shared GPU, so the emulation over gloo.
+        ("auto", "auto", 1, "", Runtime("cuda", "emulation", "gloo")),
+        ("auto", "auto", 2, "", Runtime("cuda", "deep_ep", "nccl")),
+        # A deep_ep without HybridEP cannot run megatron's hybridep backend.
+        ("auto", "auto", 2, "HybridEPBuffer", Runtime("cuda", "emulation", "gloo")),
+        ("cpu", "auto", 2, "", Runtime("cpu", "emulation", "gloo")),
+        ("cuda", "emulation", 2, "", Runtime("cuda", "emulation", "gloo")),
+        ("cuda", "deep_ep", 8, "", Runtime("cuda", "deep_ep", "nccl")),
+    ],
+)
+def test_resolve_runtime(device, kernels, gpus, deep_ep, expected):
+    assert memory_report.resolve_runtime(device, kernels, 2, gpus, deep_ep) == expected
+
+
+@pytest.mark.parametrize(
+    "device, kernels, gpus, deep_ep, message",
+    [
+        ("cuda", "auto", 0, None, "--device cuda: no CUDA device is visible"),
+        ("cpu", "deep_ep", 2, "", "--kernels deep_ep: the real kernels need CUDA"),
+        ("cuda", "deep_ep", 2, None, "--kernels deep_ep: deep_ep is not importable"),
+        ("cuda", "deep_ep", 2, "HybridEPBuffer", "lacks HybridEPBuffer"),
+        ("cuda", "deep_ep", 1, "", "2 ranks need 2 GPUs for NCCL, 1 visible"),
+        ("tpu", "auto", 0, None, "--device tpu: expected auto, cpu or cuda"),
+    ],
+)
+def test_resolve_runtime_refusals_name_the_problem(device, kernels, gpus, deep_ep, message):
+    with pytest.raises(ReportError, match=message.replace("(", r"\(")):
+        memory_report.resolve_runtime(device, kernels, 2, gpus, deep_ep)
+
+
+def test_report_refuses_cuda_here_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(memory_report, "probe_machine", lambda: (0, None))
+    out = tmp_path / "report"
+    assert memory_report.main(["--device", "cuda", "--out", str(out)]) == 2
+    assert "memory_report: --device cuda: no CUDA device is visible" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_golden_values_are_recorded_on_cpu_only(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(memory_report, "probe_machine", lambda: (1, None))
+    golden = tmp_path / "golden.json"
+    assert memory_report.main(["--record-golden", str(golden), "--out", str(tmp_path)]) == 2
+    assert "--record-golden: golden values hold CPU-allocator figures" in capsys.readouterr().err
+    assert not golden.exists()
+
+
+def test_cuda_trace_points_follow_allocated_bytes():
+    """Allocations count when made, frees when completed; segment events change nothing."""
+    trace = [
+        {"action": "segment_alloc", "size": 2097152, "time_us": 5},
+        {"action": "alloc", "size": 512, "time_us": 10},
+        {"action": "alloc", "size": 1024, "time_us": 11},
+        {"action": "free_requested", "size": 512, "time_us": 12},
+        {"action": "free_completed", "size": 512, "time_us": 13},
+        {"action": "segment_free", "size": 2097152, "time_us": 14},
+    ]
+    pts = moe_report_worker.cuda_trace_points(trace, baseline=4096)
+    assert pts == [(10_000, 4608), (11_000, 5632), (13_000, 5120)]
+    # Older torch without time_us: event order stands in for time.
+    untimed = [{k: v for k, v in e.items() if k != "time_us"} for e in trace]
+    assert [t for t, _ in moe_report_worker.cuda_trace_points(untimed, 0)] == [1000, 2000, 4000]
+
+
+def test_downsample_keeps_each_buckets_maximum():
+    pts = [(i * 1_000_000, b) for i, b in enumerate([1, 5, 2, 2, 9, 3, 4])]
+    tl = moe_report_worker.downsample(pts, t0=0, points=3)
+    assert tl == {"t_ms": [0.0, 2.0, 4.0, 6.0], "bytes": [5, 2, 9, 4]}
+
+
+def test_rank_env_hides_gpus_only_for_cpu_ranks(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cpu = rank_env("/tree", 0, 2, 1234)
+    cuda = rank_env("/tree", 1, 2, 1234, device="cuda")
+    assert cpu["CUDA_VISIBLE_DEVICES"] == ""
+    assert "CUDA_VISIBLE_DEVICES" not in cuda and cuda["LOCAL_RANK"] == "1"
+    assert cuda["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+@pytest.mark.parametrize(
+    "device, backend, message",
+    [("tpu", "gloo", "device must be one of"), ("cpu", "nccl", "nccl backend needs")],
+)
+def test_run_distributed_refuses_bad_placement(device, backend, message):
+    with pytest.raises(ValueError, match=message):
+        run_distributed("x:y", 2, "/tree", device=device, backend=backend)
