@@ -22,6 +22,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -61,6 +62,15 @@ def trees() -> Tuple[str, str]:
         return base, patched
     base_path, patched_path = moe_release.ensure_trees()
     return str(base_path), str(patched_path)
+
+
+def tree_version(tree: str) -> str:
+    """The version a materialized tree was stamped with (its package_info's last assignment)."""
+    text = (Path(tree) / "megatron" / "core" / "package_info.py").read_text()
+    found = re.findall(r"^__version__ = '([^']+)'$", text, flags=re.M)
+    if not found:
+        raise ReportError(f"{tree}: package_info.py carries no stamped __version__")
+    return found[-1]
 
 
 class ReportError(Exception):
@@ -496,8 +506,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     report: Dict[str, Any] = {
         "config": cfg,
         "versions": {
-            "base": moe_release.load_tree(series=False).version.split("+")[0] + " (unpatched)",
-            "patched": moe_release.load_tree().version,
+            "base": tree_version(base).split("+")[0] + " (unpatched)",
+            "patched": tree_version(patched),
         },
         "trees": {"base": base, "patched": patched},
         "runtime": asdict(runtime),

@@ -6,6 +6,9 @@ The GPU path itself needs a GPU (``scripts/device-check`` runs it there); these 
 decides it and what converts its allocator trace, on the host.
 """
 
+import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -109,3 +112,50 @@ def test_rank_env_hides_gpus_only_for_cpu_ranks(monkeypatch):
 def test_run_distributed_refuses_bad_placement(device, backend, message):
     with pytest.raises(ValueError, match=message):
         run_distributed("x:y", 2, "/tree", device=device, backend=backend)
+
+
+DEVICE_CHECK = REPO_ROOT / "scripts" / "device-check"
+
+
+def _device_check(tmp_path, env_file, *args):
+    env = dict(
+        os.environ, DEVICE_TREES_ENV=str(env_file), OUT=str(tmp_path / "out"), PYTHON=sys.executable
+    )
+    return subprocess.run(
+        ["bash", str(DEVICE_CHECK), "run", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_device_check_refuses_without_prepared_trees(tmp_path):
+    done = _device_check(tmp_path, tmp_path / "absent.env")
+    assert done.returncode == 2
+    assert "run 'scripts/device-check prepare' first" in done.stderr
+    env_file = tmp_path / "trees.env"
+    env_file.write_text(f"MOE_RELEASE_BASE_TREE={tmp_path}/nope\nMOE_RELEASE_TREE={tmp_path}\n")
+    done = _device_check(tmp_path, env_file)
+    assert done.returncode == 2 and f"tree {tmp_path}/nope is missing" in done.stderr
+
+
+def test_device_check_runs_the_report_end_to_end(tmp_path, base_tree, patched_tree):
+    """The script the GPU check runs, here on the host (--device cpu overrides its cuda):
+    table, JSON, PNG and log come back under $OUT."""
+    env_file = tmp_path / "trees.env"
+    env_file.write_text(f"MOE_RELEASE_BASE_TREE={base_tree}\nMOE_RELEASE_TREE={patched_tree}\n")
+    done = _device_check(tmp_path, env_file, "--device", "cpu", "--quick")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = tmp_path / "out"
+    names = {p.name for p in out.iterdir()}
+    assert names == {
+        "machine.txt", "report.log", "memory_report.json", "memory_report.png", "memory_report.txt"
+    }  # fmt: skip
+    text = (out / "memory_report.txt").read_text()
+    assert "runs on: CPU, deep_ep emulation over gloo, counting CPU allocator" in text
+    assert "losses bitwise equal: yes" in text
+    report = json.loads((out / "memory_report.json").read_text())
+    assert report["runtime"] == {"device": "cpu", "kernels": "emulation", "backend": "gloo"}
+    assert all(sum(r["dispatcher_held_bytes"]) == 0 for r in report["patched"])
+    assert all(sum(r["dispatcher_held_bytes"]) > 0 for r in report["base"])
