@@ -263,7 +263,7 @@ def train(cfg: Dict[str, Any]) -> Dict[str, Any]:
         # What the allocator gets back when each layer's dispatcher references are dropped,
         # layer by layer: the bytes the dispatcher alone kept alive between calls.
         for i, (_, dispatcher) in enumerate(probe.find_moe_dispatchers(model)):
-            probe.release_delta(dispatcher)
+            probe.release_delta(dispatcher, clock.device)
             mark(f"released{i}")
         marks = clock.marks
         out["marks"] = dict(marks)

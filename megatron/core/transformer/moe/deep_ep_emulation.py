@@ -85,12 +85,17 @@ def _staged_through_host(t: torch.Tensor, group) -> bool:
     return t.device.type != "cpu" and dist.get_backend(group) == "gloo"
 
 
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous host copy (``.cpu()`` keeps a dense tensor's strides, e.g. a transpose's)."""
+    return t.to("cpu", memory_format=torch.contiguous_format)
+
+
 def _all_to_all(rows: torch.Tensor, send_counts: List[int], recv_counts: List[int], group):
     """Uneven all-to-all of the leading dimension; a local copy on a group of one."""
     if len(send_counts) == 1:
         return rows.clone()
     staged = _staged_through_host(rows, group)
-    src = rows.cpu() if staged else rows.contiguous()
+    src = _host_copy(rows) if staged else rows.contiguous()
     out = src.new_empty((sum(recv_counts),) + tuple(rows.shape[1:]))
     dist.all_to_all_single(out, src, list(recv_counts), list(send_counts), group=group)
     return out.to(rows.device) if staged else out
@@ -102,7 +107,7 @@ def _all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:
     if size == 1:
         return t.clone()
     staged = _staged_through_host(t, group)
-    src = t.cpu() if staged else t.contiguous()
+    src = _host_copy(t) if staged else t.contiguous()
     out = src.new_empty((t.shape[0] * size,) + tuple(t.shape[1:]))
     dist.all_gather_into_tensor(out, src, group=group)
     return out.to(t.device) if staged else out

@@ -449,6 +449,27 @@ BREAKAGES = ("swap_rows", "drop_padding", "no_overflow_flag", "deepep_drop_last_
 # Jobs (entry points for run_distributed).
 
 
+def staged_kernel_checks(emu, verdicts: Verdicts) -> None:
+    """The kernel checks again through the host-staged collectives a GPU run takes (gloo on
+    CUDA tensors), forced here on host tensors: same results, and staging really used."""
+    original = emu._staged_through_host
+    used = []
+
+    def always(t, group):
+        used.append(tuple(t.shape))
+        return True
+
+    staged: Verdicts = {}
+    emu._staged_through_host = always
+    try:
+        hybrid_ep_kernel_checks(emu, staged)
+        deep_ep_kernel_checks(emu, staged)
+    finally:
+        emu._staged_through_host = original
+    verdicts.update({f"staged-{name}": v for name, v in staged.items()})
+    _check(verdicts, "staged-kernel-collectives-used", len(used) > 0, True)
+
+
 def _emulation():
     return sys.modules["megatron.core.transformer.moe.deep_ep_emulation"]
 
@@ -473,6 +494,8 @@ def emulation_and_layer_job(tree_kind: str = "patched") -> Verdicts:
         (placement.calls > 0, placement.missing),
         (True, []),
     )
+    if world > 1:
+        staged_kernel_checks(emu, verdicts)
     backends = ["hybridep"] + (["deepep"] if world > 1 else [])
     for backend in backends:
         dispatcher_checks(backend, verdicts)
