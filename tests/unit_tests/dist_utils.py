@@ -5,9 +5,9 @@
 Each rank is a fresh ``python -m tests.unit_tests.dist_utils`` subprocess, so megatron-core is
 imported from the tree under test (first on ``PYTHONPATH``) and the CPU ``deep_ep`` emulation
 can be registered before megatron's first import. A rank runs ``module:function(**kwargs)`` and
-pickles its return value, or its traceback, to a file. The parent waits with a deadline, kills
-every rank still running once one fails or time runs out, and raises with every rank's
-traceback and output tail.
+saves its return value (``torch.save``), or its traceback, to a file. The parent waits with a
+deadline, kills every rank still running once one fails or time runs out, and raises with every
+rank's traceback and output tail.
 
 Tests run on the host with GPUs hidden. The memory report may ask for ``device="cuda"``: ranks
 then see the GPUs, each takes ``LOCAL_RANK % device_count`` (ranks may share one GPU over gloo;
@@ -146,7 +146,7 @@ def run_distributed(
             out = job / f"rank{rank}.result"
             err = job / f"rank{rank}.error"
             if out.exists():
-                results.append(pickle.loads(out.read_bytes()))
+                results.append(_load_result(out))
                 continue
             results.append(None)
             tail = (job / f"rank{rank}.log").read_bytes()[-4000:].decode(errors="replace")
@@ -159,6 +159,13 @@ def run_distributed(
                 f"{target} on {world_size} ranks failed:\n" + "\n".join(errors)
             )
         return results
+
+
+def _load_result(path: Path) -> Any:
+    """A rank's return value (our own file: full unpickling is intended)."""
+    import torch
+
+    return torch.load(path, weights_only=False)
 
 
 def _wait_all(procs: List[subprocess.Popen], deadline: float) -> Optional[str]:
@@ -221,7 +228,9 @@ def _rank_main(job: Path) -> int:
 
             teardown_megatron_state()
             dist.destroy_process_group()
-        (job / f"rank{rank}.result").write_bytes(pickle.dumps(result))
+        # torch.save, not pickle: megatron-core replaces how torch storages pickle (with a
+        # loader in megatron.core.safe_globals), which a parent without megatron can't load.
+        torch.save(result, job / f"rank{rank}.result")
         return 0
     except BaseException:
         (job / f"rank{rank}.error").write_text(traceback.format_exc())
