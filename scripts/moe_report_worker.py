@@ -8,7 +8,10 @@ kernels run; gloo, or NCCL with the real kernels). The
 model is megatron-core's GPTModel on the local (non-TE) layer spec with MoE layers: the real
 TopKRouter, MoEFlexTokenDispatcher with the HybridEP manager, SequentialMLP experts, and every
 layer checkpointed (full recompute, uniform, one layer per CheckpointFunction). Dense gradients
-are all-reduced over the data-parallel group and the model is stepped with torch's AdamW.
+are all-reduced over the data-parallel group and the model is stepped with torch's AdamW:
+megatron's optimizer (``get_megatron_optimizer``) needs its DistributedDataParallel wrapper,
+whose grad buffers are allocated on ``torch.cuda.current_device()`` (param_and_grad_buffer.py),
+so it does not run on CPU; the GPU run keeps torch's AdamW too, so both run the same job.
 
 Memory is measured at the allocator: on CPU by the counting allocator of
 ``tests/unit_tests/cpu_memory.py`` (bytes of every tensor storage, on every thread, since the job
