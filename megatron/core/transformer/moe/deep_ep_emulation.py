@@ -90,15 +90,28 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu", memory_format=torch.contiguous_format)
 
 
+def _collective(t: torch.Tensor, out_rows: int, group, op) -> torch.Tensor:
+    """``op(out, src)`` into a new ``[out_rows, *t.shape[1:]]`` tensor on ``t``'s device,
+    staged through host memory where :func:`_staged_through_host` says so."""
+    staged = _staged_through_host(t, group)
+    src = _host_copy(t) if staged else t.contiguous()
+    out = src.new_empty((out_rows,) + tuple(t.shape[1:]))
+    op(out, src)
+    return out.to(t.device) if staged else out
+
+
 def _all_to_all(rows: torch.Tensor, send_counts: List[int], recv_counts: List[int], group):
     """Uneven all-to-all of the leading dimension; a local copy on a group of one."""
     if len(send_counts) == 1:
         return rows.clone()
-    staged = _staged_through_host(rows, group)
-    src = _host_copy(rows) if staged else rows.contiguous()
-    out = src.new_empty((sum(recv_counts),) + tuple(rows.shape[1:]))
-    dist.all_to_all_single(out, src, list(recv_counts), list(send_counts), group=group)
-    return out.to(rows.device) if staged else out
+    return _collective(
+        rows,
+        sum(recv_counts),
+        group,
+        lambda out, src: dist.all_to_all_single(
+            out, src, list(recv_counts), list(send_counts), group=group
+        ),
+    )
 
 
 def _all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:
@@ -106,11 +119,12 @@ def _all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:
     size = _group_size(group)
     if size == 1:
         return t.clone()
-    staged = _staged_through_host(t, group)
-    src = _host_copy(t) if staged else t.contiguous()
-    out = src.new_empty((t.shape[0] * size,) + tuple(t.shape[1:]))
-    dist.all_gather_into_tensor(out, src, group=group)
-    return out.to(t.device) if staged else out
+    return _collective(
+        t,
+        t.shape[0] * size,
+        group,
+        lambda out, src: dist.all_gather_into_tensor(out, src, group=group),
+    )
 
 
 def _sum_rows(rows: torch.Tensor, index: torch.Tensor, num_out: int, out_dtype) -> torch.Tensor:
