@@ -18,23 +18,24 @@ from setuptools import find_namespace_packages, setup
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import moe_release  # noqa: E402
+from patchtool.common import UserError  # noqa: E402
+from patchtool.trees import Tree, load_tree, write_tree_atomic  # noqa: E402
 
 
-def _materialized_tree() -> tuple[moe_release.Tree, str]:
+def _materialized_tree() -> tuple[Tree, str]:
     """Materialize (once per label) under build/ and return it with its path relative to ROOT."""
     try:
-        tree = moe_release.load_tree(os.environ.get("MOE_RELEASE_BASE") or None)
-    except moe_release.UserError as exc:
+        tree = load_tree(os.environ.get("MOE_RELEASE_BASE") or None)
+    except UserError as exc:
         sys.exit(f"moe-release setup.py: error: {exc}")
     # Written afresh on every build: a tree left by an earlier build may predate a tooling change.
     rel = f"build/moe-release/{tree.version}"
     shutil.rmtree(ROOT / rel, ignore_errors=True)
-    moe_release.write_tree_atomic(tree.files, ROOT / rel)
+    write_tree_atomic(tree.files, ROOT / rel)
     return tree, rel
 
 
-def _upstream_metadata(tree: moe_release.Tree) -> dict:
+def _upstream_metadata(tree: Tree) -> dict:
     """setup() keywords from the sdist's [project] table, version replaced by the overlay's."""
     project = tomllib.loads(tree.files["pyproject.toml"].decode())["project"]
     author = project.get("authors", [{}])[0]

@@ -34,7 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
-import moe_release  # noqa: E402
+from patchtool.trees import ensure_trees  # noqa: E402
 
 WORKER = "scripts.moe_report_worker"
 MAIN = dict(
@@ -60,7 +60,7 @@ def trees() -> Tuple[str, str]:
     patched = os.environ.get("MOE_RELEASE_TREE")
     if base and patched:
         return base, patched
-    base_path, patched_path = moe_release.ensure_trees()
+    base_path, patched_path = ensure_trees()
     return str(base_path), str(patched_path)
 
 

@@ -1,39 +1,40 @@
 """Fixtures for the patch-series tooling tests: the real pinned sdist and scratch repo copies."""
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
+from patchtool.git import git, git_env
+from patchtool.pins import Base, Pins, load_pins
+from patchtool.repo import OVERLAY_DIRS
+from patchtool.sdist import fetch_sdist, read_sdist
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-
-import moe_release as mr  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def pins() -> mr.Pins:
+def pins() -> Pins:
     """The repository's pins."""
-    return mr.load_pins()
+    return load_pins()
 
 
 @pytest.fixture(scope="session")
-def base(pins: mr.Pins) -> mr.Base:
+def base(pins: Pins) -> Base:
     """The primary base (megatron-core 0.19.2)."""
     return pins.get(None)
 
 
 @pytest.fixture(scope="session")
-def sdist(base: mr.Base) -> Path:
+def sdist(base: Base) -> Path:
     """The real 0.19.2 sdist, fetched into the cache and verified."""
-    return mr.fetch_sdist(base)
+    return fetch_sdist(base)
 
 
 @pytest.fixture(scope="session")
 def base_files(sdist: Path) -> dict[str, bytes]:
     """The sdist's files."""
-    return mr.read_sdist(sdist)
+    return read_sdist(sdist)
 
 
 @pytest.fixture
@@ -41,7 +42,7 @@ def repo(tmp_path: Path) -> Path:
     """A scratch copy of what the tooling reads: patches/ and the overlay modules."""
     root = tmp_path / "repo"
     shutil.copytree(REPO_ROOT / "patches", root / "patches")
-    for rel in mr.OVERLAY_DIRS:
+    for rel in OVERLAY_DIRS:
         src = REPO_ROOT / rel
         if src.is_dir():
             shutil.copytree(src, root / rel, ignore=shutil.ignore_patterns("__pycache__"))
@@ -50,7 +51,7 @@ def repo(tmp_path: Path) -> Path:
 
 def run_git(repo: Path, *args: str, **env: str) -> str:
     """git in an edit repo with the tooling's reproducible environment."""
-    return mr.git(repo, *args, env=mr.git_env(env)).decode()
+    return git(repo, *args, env=git_env(env)).decode()
 
 
 TRAILERS = (

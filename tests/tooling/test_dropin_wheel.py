@@ -9,10 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import moe_release as mr
 import pytest
 from conftest import REPO_ROOT
 from packaging.requirements import Requirement
+
+from patchtool.trees import load_tree
 
 pytestmark = pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs to run in a venv")
 
@@ -41,7 +42,7 @@ def venv(tmp_path: Path) -> Path:
 
 
 def test_pip_install_replaces_upstream_and_verify_tells_them_apart(venv):
-    version = mr.load_tree().version
+    version = load_tree().version
     ok(pip(venv, "install", str(REPO_ROOT)))
     installed = json.loads(ok(pip(venv, "list", "--format=json")))
     listed = [p for p in installed if p["name"] == "megatron-core"]

@@ -7,9 +7,30 @@ import subprocess
 import sys
 from pathlib import Path
 
-import moe_release as mr
 import pytest
 from conftest import AUTHOR, REPO_ROOT, TRAILERS, run_git
+
+from patchtool.check import check_base, verify_installed
+from patchtool.common import UserError
+from patchtool.git import create_edit_repo, export_series, format_patches
+from patchtool.patches import (
+    apply_file_patch,
+    check_trailers,
+    parse_patch,
+    parse_series,
+    series_header,
+    stamp_package_info,
+)
+from patchtool.pins import Base, parse_pins
+from patchtool.sdist import fetch_sdist
+from patchtool.trees import (
+    MANIFEST_PATH,
+    PACKAGE_INFO,
+    build_tree,
+    ensure_trees,
+    load_tree,
+    materialize,
+)
 
 SCRIPT = REPO_ROOT / "scripts" / "moe_release.py"
 PRINT_VERSION = "import runpy, sys; print(runpy.run_path(sys.argv[1])['__version__'])"
@@ -17,7 +38,7 @@ PRINT_VERSION = "import runpy, sys; print(runpy.run_path(sys.argv[1])['__version
 
 def series_patches(root: Path) -> list[Path]:
     sdir = root / "patches"
-    return [sdir / n for n in mr.parse_series((sdir / "series").read_text())]
+    return [sdir / n for n in parse_series((sdir / "series").read_text())]
 
 
 def leftovers(parent: Path) -> list[str]:
@@ -29,8 +50,8 @@ def leftovers(parent: Path) -> list[str]:
 
 def test_parse_series_order_comments_and_blanks():
     text = "# header\n\nfirst.patch\n  second.patch  # why\n\n# trailing\nthird.patch\n"
-    assert mr.parse_series(text) == ["first.patch", "second.patch", "third.patch"]
-    assert mr.series_header(text) == "# header\n\n"
+    assert parse_series(text) == ["first.patch", "second.patch", "third.patch"]
+    assert series_header(text) == "# header\n\n"
 
 
 @pytest.mark.parametrize(
@@ -43,19 +64,19 @@ def test_parse_series_order_comments_and_blanks():
     ],
 )
 def test_parse_series_rejects(text, message):
-    with pytest.raises(mr.UserError, match=message):
-        mr.parse_series(text, "series")
+    with pytest.raises(UserError, match=message):
+        parse_series(text, "series")
 
 
 def test_parse_pins_rejects_bad_entries():
-    with pytest.raises(mr.UserError, match="lacks sha256"):
-        mr.parse_pins('primary = "1"\n[bases."1"]\nsdist="x"\ntag="t"\nbranch="b"\nseries="p"\n')
-    with pytest.raises(mr.UserError, match="64 lowercase hex"):
-        mr.parse_pins(
+    with pytest.raises(UserError, match="lacks sha256"):
+        parse_pins('primary = "1"\n[bases."1"]\nsdist="x"\ntag="t"\nbranch="b"\nseries="p"\n')
+    with pytest.raises(UserError, match="64 lowercase hex"):
+        parse_pins(
             'primary = "1"\n[bases."1"]\nsdist="x"\nsha256="abc"\ntag="t"\nbranch="b"\nseries="p"\n'
         )
-    with pytest.raises(mr.UserError, match="primary base '2'"):
-        mr.parse_pins('primary = "2"\n')
+    with pytest.raises(UserError, match="primary base '2'"):
+        parse_pins('primary = "2"\n')
 
 
 def test_pins_hold_primary_and_backport_bases(pins):
@@ -66,30 +87,30 @@ def test_pins_hold_primary_and_backport_bases(pins):
         "0.17.1": ("core_r0.17.0", "d4c86f3b"),
         "0.16.1": ("core_r0.16.0", "86522fea"),
     }
-    with pytest.raises(mr.UserError, match="unknown base version '9.9'"):
+    with pytest.raises(UserError, match="unknown base version '9.9'"):
         pins.get("9.9")
 
 
 def test_apply_file_patch_names_patch_file_and_hunk(base_files):
     data = series_patches(REPO_ROOT)[0].read_bytes()
-    patch = mr.parse_patch(data, "p.patch")
+    patch = parse_patch(data, "p.patch")
     fp = next(f for f in patch.files if f.path.endswith("router.py"))
     old = base_files[fp.path]
-    assert mr.apply_file_patch(old, fp, "p.patch") != old
+    assert apply_file_patch(old, fp, "p.patch") != old
     broken = old.replace(b"# move weights to GPU", b"# moved weights to GPU")
-    with pytest.raises(mr.UserError) as err:
-        mr.apply_file_patch(broken, fp, "p.patch")
+    with pytest.raises(UserError) as err:
+        apply_file_patch(broken, fp, "p.patch")
     msg = str(err.value)
     assert "p.patch: hunk #1 (@@ -" in msg and "megatron/core/transformer/moe/router.py" in msg
     assert "does not apply: line" in msg and "moved weights" in msg
-    with pytest.raises(mr.UserError, match="which does not exist"):
-        mr.apply_file_patch(None, fp, "p.patch")
+    with pytest.raises(UserError, match="which does not exist"):
+        apply_file_patch(None, fp, "p.patch")
 
 
 def test_stamp_overrides_vcs_suffix():
     text = "__version__ = '0.19.2'\n__version__ += '+abc1234'\n"
     scope: dict = {}
-    exec(mr.stamp_package_info(text, "0.19.2+moerelease.1.x"), scope)
+    exec(stamp_package_info(text, "0.19.2+moerelease.1.x"), scope)
     assert scope["__version__"] == "0.19.2+moerelease.1.x"
 
 
@@ -102,8 +123,8 @@ def test_fetch_rejects_tampered_cache(tmp_path, base, sdist):
     data = bytearray(sdist.read_bytes())
     data[1000] ^= 0xFF
     (cache / base.sdist).write_bytes(bytes(data))
-    with pytest.raises(mr.UserError) as err:
-        mr.fetch_sdist(base, cache)
+    with pytest.raises(UserError) as err:
+        fetch_sdist(base, cache)
     msg = str(err.value)
     assert base.sdist in msg and f"expected {base.sha256}" in msg and "got " in msg
     assert "megatron-core 0.19.2" in msg
@@ -111,10 +132,10 @@ def test_fetch_rejects_tampered_cache(tmp_path, base, sdist):
 
 def test_fetch_wrong_pin_downloads_nothing_into_cache(tmp_path, base):
     """A pin whose sha256 does not match PyPI's file: clear error, and nothing is cached."""
-    wrong = mr.Base(**{**base.__dict__, "sha256": "0" * 64})
+    wrong = Base(**{**base.__dict__, "sha256": "0" * 64})
     cache = tmp_path / "cache"
-    with pytest.raises(mr.UserError) as err:
-        mr.fetch_sdist(wrong, cache)
+    with pytest.raises(UserError) as err:
+        fetch_sdist(wrong, cache)
     assert f"expected {'0' * 64}, got {base.sha256}" in str(err.value)
     assert list(cache.iterdir()) == []
 
@@ -124,7 +145,7 @@ def test_fetch_wrong_pin_downloads_nothing_into_cache(tmp_path, base):
 
 def test_materialize_writes_complete_stamped_tree(tmp_path, repo, base_files):
     dest = tmp_path / "tree"
-    tree = mr.materialize(dest, root=repo)
+    tree = materialize(dest, root=repo)
     assert tree.version.startswith("0.19.2+moerelease.") and tree.version.count("+") == 1
     # Every upstream file is there, patched files differ, the overlay is added.
     for rel in base_files:
@@ -138,7 +159,7 @@ def test_materialize_writes_complete_stamped_tree(tmp_path, repo, base_files):
     for rel in tree.overlay:
         assert (dest / rel).read_bytes() == (repo / rel).read_bytes()
     assert not (dest / "PKG-INFO").exists()
-    manifest = json.loads((dest / mr.MANIFEST_PATH).read_text())
+    manifest = json.loads((dest / MANIFEST_PATH).read_text())
     assert manifest["version"] == tree.version and manifest["base"]["sha256"] == tree.base.sha256
     assert leftovers(tmp_path) == []
 
@@ -151,10 +172,10 @@ def test_materialized_version_inside_a_git_checkout(tmp_path, repo):
          "commit", "-q", "--allow-empty", "-m", "x"],
         check=True,
     )  # fmt: skip
-    tree = mr.materialize(tmp_path / "tree", root=repo)
+    tree = materialize(tmp_path / "tree", root=repo)
     env = {k: v for k, v in os.environ.items() if k != "NO_VCS_VERSION"}
     out = subprocess.run(
-        [sys.executable, "-c", PRINT_VERSION, str(tmp_path / "tree" / mr.PACKAGE_INFO)],
+        [sys.executable, "-c", PRINT_VERSION, str(tmp_path / "tree" / PACKAGE_INFO)],
         env=env, capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert out.stdout.strip() == tree.version
@@ -164,16 +185,16 @@ def test_materialize_refuses_non_empty_target(tmp_path, repo):
     dest = tmp_path / "tree"
     dest.mkdir()
     (dest / "keep.txt").write_text("mine")
-    with pytest.raises(mr.UserError, match="target exists and is not empty"):
-        mr.materialize(dest, root=repo)
+    with pytest.raises(UserError, match="target exists and is not empty"):
+        materialize(dest, root=repo)
     assert [p.name for p in dest.iterdir()] == ["keep.txt"]
 
 
 def test_materialize_into_empty_dir(tmp_path, repo):
     dest = tmp_path / "tree"
     dest.mkdir()
-    mr.materialize(dest, root=repo)
-    assert (dest / mr.PACKAGE_INFO).exists()
+    materialize(dest, root=repo)
+    assert (dest / PACKAGE_INFO).exists()
 
 
 def test_patch_that_does_not_apply_leaves_nothing(tmp_path, repo):
@@ -185,8 +206,8 @@ def test_patch_that_does_not_apply_leaves_nothing(tmp_path, repo):
     )
     patch.write_bytes(data)
     dest = tmp_path / "tree"
-    with pytest.raises(mr.UserError) as err:
-        mr.materialize(dest, root=repo)
+    with pytest.raises(UserError) as err:
+        materialize(dest, root=repo)
     msg = str(err.value)
     assert msg.startswith(f"{patch.name}: hunk #1 (@@ ")
     assert "of megatron/core/transformer/moe/router.py does not apply" in msg
@@ -196,27 +217,27 @@ def test_patch_that_does_not_apply_leaves_nothing(tmp_path, repo):
 def test_series_entry_without_file(tmp_path, repo):
     with open(repo / "patches" / "series", "a") as f:
         f.write("missing-topic.patch\n")
-    with pytest.raises(mr.UserError, match="lists missing-topic.patch, which does not exist"):
-        mr.materialize(tmp_path / "tree", root=repo)
+    with pytest.raises(UserError, match="lists missing-topic.patch, which does not exist"):
+        materialize(tmp_path / "tree", root=repo)
     assert not (tmp_path / "tree").exists()
 
 
 def test_patch_file_not_in_series(tmp_path, repo):
     shutil.copy(series_patches(repo)[0], repo / "patches" / "stray-topic.patch")
-    with pytest.raises(mr.UserError, match="stray-topic.patch: patch file is not listed"):
-        mr.materialize(tmp_path / "tree", root=repo)
+    with pytest.raises(UserError, match="stray-topic.patch: patch file is not listed"):
+        materialize(tmp_path / "tree", root=repo)
 
 
 def test_overlay_collision_and_init_rejected(tmp_path, repo):
     moe = repo / "megatron/core/transformer/moe"
     moe.mkdir(parents=True, exist_ok=True)
     (moe / "router.py").write_text("# ours\n")
-    with pytest.raises(mr.UserError, match="overlay file .*router.py collides with upstream"):
-        mr.materialize(tmp_path / "tree", root=repo)
+    with pytest.raises(UserError, match="overlay file .*router.py collides with upstream"):
+        materialize(tmp_path / "tree", root=repo)
     (moe / "router.py").unlink()
     (moe / "__init__.py").write_text("")
-    with pytest.raises(mr.UserError, match="must not contain __init__.py"):
-        mr.materialize(tmp_path / "tree", root=repo)
+    with pytest.raises(UserError, match="must not contain __init__.py"):
+        materialize(tmp_path / "tree", root=repo)
     assert leftovers(tmp_path) == []
 
 
@@ -227,8 +248,8 @@ def test_each_prefix_must_compile(base, base_files, repo):
         "[MoE] Break the router",
     )  # fmt: skip
     patches = [(p.name, p.read_bytes()) for p in series_patches(repo)] + [bad]
-    with pytest.raises(mr.UserError, match="router.py does not compile after this patch"):
-        mr.build_tree(base, base_files, patches, [], compile_check=True)
+    with pytest.raises(UserError, match="router.py does not compile after this patch"):
+        build_tree(base, base_files, patches, [], compile_check=True)
 
 
 # ----------------------------------------------------------------------------- edit / export
@@ -237,7 +258,7 @@ def test_each_prefix_must_compile(base, base_files, repo):
 def _edit_repo(tmp_path, repo, base, base_files) -> Path:
     edit = tmp_path / "edit"
     patches = [(p.name, p.read_bytes()) for p in series_patches(repo)]
-    mr.create_edit_repo(edit, base, base_files, patches)
+    create_edit_repo(edit, base, base_files, patches)
     return edit
 
 
@@ -248,11 +269,11 @@ def _commit_patch(repo, base, base_files, rel, change, subject, trailers=TRAILER
     with tempfile.TemporaryDirectory() as tmp:
         edit = Path(tmp) / "edit"
         patches = [(p.name, p.read_bytes()) for p in series_patches(repo)]
-        mr.create_edit_repo(edit, base, base_files, patches)
+        create_edit_repo(edit, base, base_files, patches)
         path = edit / rel
         path.write_text(change(path.read_text()))
         run_git(edit, "commit", "-q", "-am", f"{subject}\n\nBody.\n\n{trailers}", **AUTHOR)
-        return mr.format_patches(edit)[-1]
+        return format_patches(edit)[-1]
 
 
 def test_edit_then_export_is_a_byte_for_byte_noop(tmp_path, repo, base, base_files):
@@ -260,7 +281,7 @@ def test_edit_then_export_is_a_byte_for_byte_noop(tmp_path, repo, base, base_fil
     assert run_git(edit, "describe", "--tags", "--abbrev=0").strip() == "base"
     files = sorted((repo / "patches").rglob("*"))
     before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in files if p.is_file()}
-    _, written, deleted = mr.export_series(edit, root=repo)
+    _, written, deleted = export_series(edit, root=repo)
     assert (written, deleted) == ([], [])
     after = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in files if p.is_file()}
     assert after == before
@@ -268,8 +289,8 @@ def test_edit_then_export_is_a_byte_for_byte_noop(tmp_path, repo, base, base_fil
 
 def test_edit_base_commit_is_reproducible(tmp_path, base, base_files):
     a, b = tmp_path / "a", tmp_path / "b"
-    mr.create_edit_repo(a, base, base_files, [])
-    mr.create_edit_repo(b, base, base_files, [])
+    create_edit_repo(a, base, base_files, [])
+    create_edit_repo(b, base, base_files, [])
     assert run_git(a, "rev-parse", "base") == run_git(b, "rev-parse", "base")
 
 
@@ -284,24 +305,24 @@ def test_fixup_add_and_drop_commits_round_trip(tmp_path, repo, base, base_files)
     first_commit = run_git(edit, "rev-list", "--reverse", "base..HEAD").split()[0]
     run_git(edit, "commit", "-q", "-a", "--fixup", first_commit, **AUTHOR)
     run_git(edit, "rebase", "-q", "-i", "--autosquash", "base", GIT_SEQUENCE_EDITOR="true")
-    _, written, deleted = mr.export_series(edit, root=repo)
+    _, written, deleted = export_series(edit, root=repo)
     assert (written, deleted) == ([first.name], [])
     assert first.read_bytes() != old_first and b"torch.Tensor: Router logits." in first.read_bytes()
     # A new topic: new file, appended to the series.
     exp = edit / "megatron/core/transformer/moe/experts.py"
     exp.write_text(exp.read_text() + "\n# extra\n")
     run_git(edit, "commit", "-q", "-am", f"[MoE] Add a note\n\nBody.\n\n{TRAILERS}", **AUTHOR)
-    _, written, _ = mr.export_series(edit, root=repo)
+    _, written, _ = export_series(edit, root=repo)
     assert written == ["MoE-Add-a-note.patch"]
-    names = mr.parse_series((repo / "patches" / "series").read_text())
+    names = parse_series((repo / "patches" / "series").read_text())
     assert names == names_before + ["MoE-Add-a-note.patch"]
     assert (repo / "patches" / "series").read_text().startswith("# Patch series over")
     # Dropping it deletes the stale file and its series line.
     run_git(edit, "reset", "-q", "--hard", "HEAD~1")
-    _, written, deleted = mr.export_series(edit, root=repo)
+    _, written, deleted = export_series(edit, root=repo)
     assert (written, deleted) == ([], ["MoE-Add-a-note.patch"])
     assert not (repo / "patches" / "MoE-Add-a-note.patch").exists()
-    assert mr.check_base(base, repo) == []
+    assert check_base(base, repo) == []
 
 
 def test_export_refuses_commit_without_trailers(tmp_path, repo, base, base_files):
@@ -310,28 +331,28 @@ def test_export_refuses_commit_without_trailers(tmp_path, repo, base, base_files
     exp.write_text(exp.read_text() + "\n# extra\n")
     run_git(edit, "commit", "-q", "-am", "[MoE] No trailers\n\nBody.\n", **AUTHOR)
     before = sorted(p.name for p in (repo / "patches").iterdir())
-    with pytest.raises(mr.UserError, match="MoE-No-trailers.patch: commit lacks trailer"):
-        mr.export_series(edit, root=repo)
+    with pytest.raises(UserError, match="MoE-No-trailers.patch: commit lacks trailer"):
+        export_series(edit, root=repo)
     assert sorted(p.name for p in (repo / "patches").iterdir()) == before
 
 
 def test_export_refuses_dirty_tree_and_foreign_repo(tmp_path, repo, base, base_files):
     edit = _edit_repo(tmp_path, repo, base, base_files)
     (edit / "megatron/core/transformer/moe/experts.py").write_text("dirty\n")
-    with pytest.raises(mr.UserError, match="uncommitted changes"):
-        mr.export_series(edit, root=repo)
+    with pytest.raises(UserError, match="uncommitted changes"):
+        export_series(edit, root=repo)
     other = tmp_path / "other"
     subprocess.run(["git", "init", "-q", str(other)], check=True)
-    with pytest.raises(mr.UserError, match="not an edit repo"):
-        mr.export_series(other, root=repo)
+    with pytest.raises(UserError, match="not an edit repo"):
+        export_series(other, root=repo)
 
 
 def test_edit_names_the_patch_that_does_not_apply(tmp_path, repo, base, base_files):
     patch = series_patches(repo)[0]
     patch.write_bytes(patch.read_bytes().replace(b"Logits tensor.", b"Logits!"))
     patches = [(p.name, p.read_bytes()) for p in series_patches(repo)]
-    with pytest.raises(mr.UserError, match=f"{patch.name}: does not apply to megatron-core 0.19.2"):
-        mr.create_edit_repo(tmp_path / "edit", base, base_files, patches)
+    with pytest.raises(UserError, match=f"{patch.name}: does not apply to megatron-core 0.19.2"):
+        create_edit_repo(tmp_path / "edit", base, base_files, patches)
     assert not (tmp_path / "edit").exists() and leftovers(tmp_path) == []
 
 
@@ -339,26 +360,24 @@ def test_edit_names_the_patch_that_does_not_apply(tmp_path, repo, base, base_fil
 
 
 def test_check_passes_on_this_repository(base):
-    assert mr.check_base(base, REPO_ROOT) == []
+    assert check_base(base, REPO_ROOT) == []
 
 
 def test_check_reports_missing_trailer_and_non_round_trip(repo, base):
     patch = series_patches(repo)[0]
     original = patch.read_bytes()
     patch.write_bytes(original.replace(b"Forwarded: no\n", b""))
-    assert mr.check_base(base, repo) == [
-        f"{patch.name}: lacks trailer(s) Forwarded/Applied-Upstream"
-    ]
+    assert check_base(base, repo) == [f"{patch.name}: lacks trailer(s) Forwarded/Applied-Upstream"]
     # Still applies, but is not what format-patch writes: the round trip catches it.
     patch.write_bytes(original.replace(b"Subject: ", b"Subject: [PATCH] ", 1))
-    problems = mr.check_base(base, repo)
+    problems = check_base(base, repo)
     assert any("round-trip" in p or "import+export changes" in p for p in problems), problems
 
 
 def test_every_patch_in_series_has_trailers():
     for path in series_patches(REPO_ROOT):
-        patch = mr.parse_patch(path.read_bytes(), path.name)
-        assert mr.check_trailers(patch) == [], path.name
+        patch = parse_patch(path.read_bytes(), path.name)
+        assert check_trailers(patch) == [], path.name
         assert patch.trailers["Signed-off-by"], path.name
 
 
@@ -367,15 +386,15 @@ def test_every_patch_in_series_has_trailers():
 
 def test_verify_detects_replaced_files(tmp_path, repo):
     site = tmp_path / "site"
-    tree = mr.materialize(site, root=repo)
+    tree = materialize(site, root=repo)
     core = site / "megatron" / "core"
-    assert mr.verify_installed(core, tree.version, tree) == []
-    assert mr.verify_installed(core, "0.19.2", tree) == [
+    assert verify_installed(core, tree.version, tree) == []
+    assert verify_installed(core, "0.19.2", tree) == [
         f"installed distribution is megatron-core 0.19.2, expected {tree.version}"
     ]
     router = core / "transformer/moe/router.py"
     router.write_text(router.read_text() + "# changed\n")
-    assert mr.verify_installed(core, tree.version, tree) == [
+    assert verify_installed(core, tree.version, tree) == [
         "megatron/core/transformer/moe/router.py: differs from the series"
     ]
 
@@ -414,20 +433,20 @@ def test_cli_check_and_label():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "0.19.2: OK" in result.stdout and "0.18.2: no series yet" in result.stdout
     label = cli("label").stdout.strip()
-    assert label == mr.load_tree().version
+    assert label == load_tree().version
 
 
 def test_trees_are_made_once_per_label_and_stale_ones_removed(repo):
     stale = repo / ".build" / "trees" / "0.19.2+moerelease.0.stale"
     stale.mkdir(parents=True)
-    base, patched = mr.ensure_trees(root=repo)
+    base, patched = ensure_trees(root=repo)
     assert not stale.exists()
-    assert base.name == "base-" + mr.load_tree(series=False, root=repo).version
-    assert patched.name == mr.load_tree(root=repo).version
-    assert (patched / mr.MANIFEST_PATH).exists() and (base / mr.MANIFEST_PATH).exists()
-    info = patched / mr.PACKAGE_INFO
+    assert base.name == "base-" + load_tree(series=False, root=repo).version
+    assert patched.name == load_tree(root=repo).version
+    assert (patched / MANIFEST_PATH).exists() and (base / MANIFEST_PATH).exists()
+    info = patched / PACKAGE_INFO
     before = info.stat().st_mtime_ns
-    assert mr.ensure_trees(root=repo) == (base, patched)
+    assert ensure_trees(root=repo) == (base, patched)
     assert info.stat().st_mtime_ns == before
     # The base tree carries the new modules but none of the series.
     router = "megatron/core/transformer/moe/router.py"

@@ -1,0 +1,188 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""moe-release: maintain the MoE dispatcher patch series over a pinned megatron-core sdist.
+
+Verbs:
+  fetch        download the pinned sdist(s) into the cache and verify their sha256
+  materialize  base sdist + series + this repo's new modules -> a complete patched tree
+  edit         the same tree as a git repo: base commit (tag `base`) + one commit per patch
+  export       write the commits of an `edit` repo back into the series (churn-free)
+  check        every series applies with zero fuzz, round-trips byte-for-byte, has trailers
+  verify       does an installed megatron-core match this repo's series?
+  trees        materialize the base and patched trees the tests run against
+  label        print the overlay version label of a base's series
+
+The logic is pure functions over bytes (parse_series, parse_patch, apply_file_patch, ...); the
+verbs are thin I/O around them so tests call both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .check import check_base, find_installed_core, verify_installed
+from .common import UserError, log
+from .git import create_edit_repo, export_series
+from .patches import overlay_label
+from .pins import load_pins
+from .repo import overlay_files, read_series
+from .sdist import fetch_sdist, read_sdist
+from .trees import MANIFEST_PATH, ensure_trees, load_tree, materialize
+
+
+def _cmd_fetch(args: argparse.Namespace) -> int:
+    pins = load_pins()
+    bases = pins.bases.values() if args.all else [pins.get(args.base)]
+    for base in bases:
+        path = fetch_sdist(base)
+        print(f"{base.version}: {path} (sha256 {base.sha256[:12]}… verified)")
+    return 0
+
+
+def _cmd_materialize(args: argparse.Namespace) -> int:
+    tree = materialize(Path(args.dir), args.base, series=not args.no_series)
+    print(f"{args.dir}: megatron-core {tree.version}")
+    print(f"  base: {tree.base.sdist} ({tree.base.tag}), sha256 verified")
+    print(f"  patches: {len(tree.patches)}" + "".join(f"\n    {p}" for p in tree.patches))
+    print(f"  new modules: {len(tree.overlay)}" + "".join(f"\n    {p}" for p in tree.overlay))
+    return 0
+
+
+def _cmd_edit(args: argparse.Namespace) -> int:
+    base = load_pins().get(args.base)
+    patches = read_series(base)
+    create_edit_repo(Path(args.dir), base, read_sdist(fetch_sdist(base)), patches)
+    print(f"{args.dir}: megatron-core {base.version} at tag `base`, {len(patches)} patch commit(s)")
+    print("  edit with git (commit --fixup, rebase -i base), then run: export " + args.dir)
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    base, written, deleted = export_series(Path(args.dir))
+    if not written and not deleted:
+        print(f"{base.series}: unchanged")
+    for name in written:
+        print(f"{base.series}/{name}: written")
+    for name in deleted:
+        print(f"{base.series}/{name}: deleted")
+    return 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    pins = load_pins()
+    versions = [args.base] if args.base else sorted(pins.bases, key=lambda v: v != pins.primary)
+    failed = False
+    for version in versions:
+        base = pins.get(version)
+        if not (base.series_dir() / "series").exists():
+            if version == pins.primary:
+                print(f"{version}: FAIL no series file in {base.series}")
+                failed = True
+            else:
+                print(f"{version}: no series yet ({base.series})")
+            continue
+        log(f"checking the series for {version}")
+        problems = check_base(base)
+        n = len(read_series(base)) if not problems else None
+        if problems:
+            failed = True
+            print(f"{version}: FAIL")
+            for problem in problems:
+                print(f"  {problem}")
+        else:
+            print(f"{version}: OK ({n} patches apply with zero fuzz, round-trip, trailers present)")
+    return 1 if failed else 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    core_dir, dist_version = find_installed_core(args.python)
+    tree = load_tree(args.base)
+    problems = verify_installed(core_dir, dist_version, tree)
+    if problems:
+        print(
+            f"MISMATCH: megatron-core at {core_dir} does not match this repo's series "
+            f"({tree.version})"
+        )
+        for problem in problems:
+            print(f"  {problem}")
+        return 1
+    n = len(json.loads(tree.files[MANIFEST_PATH])["files"])
+    print(f"OK: megatron-core {dist_version} at {core_dir} matches the series ({n} files hashed)")
+    return 0
+
+
+def _cmd_trees(args: argparse.Namespace) -> int:
+    base, patched = ensure_trees()
+    print(f"export MOE_RELEASE_BASE_TREE={shlex.quote(str(base))}")
+    print(f"export MOE_RELEASE_TREE={shlex.quote(str(patched))}")
+    return 0
+
+
+def _cmd_label(args: argparse.Namespace) -> int:
+    base = load_pins().get(args.base)
+    patches = read_series(base) if not args.no_series else []
+    print(f"{base.version}+{overlay_label(base, patches, overlay_files())}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface."""
+    parser = argparse.ArgumentParser(prog="moe_release.py", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    def verb(name: str, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.add_argument("--base", help="base version from patches/pins.toml (default: primary)")
+        return p
+
+    p = verb("fetch", "download the pinned sdist into the cache and verify its sha256")
+    p.add_argument("--all", action="store_true", help="every pinned base")
+    p.set_defaults(func=_cmd_fetch)
+    p = verb("materialize", "write base + series + new modules as a complete tree to DIR")
+    p.add_argument("dir", metavar="DIR", help="target directory (absent or empty)")
+    p.add_argument("--no-series", action="store_true", help="base and new modules only")
+    p.set_defaults(func=_cmd_materialize)
+    p = verb("edit", "create a git repo at DIR: base commit (tag `base`) + one commit per patch")
+    p.add_argument("dir", metavar="DIR", help="target directory (absent or empty)")
+    p.set_defaults(func=_cmd_edit)
+    p = sub.add_parser("export", help="write an edit repo's commits back into the series",
+                       description="write an edit repo's commits back into the series")  # fmt: skip
+    p.add_argument("dir", metavar="DIR", help="a repo made by `edit`")
+    p.set_defaults(func=_cmd_export)
+    p = verb("check", "apply every series with zero fuzz, round-trip it, check trailers")
+    p.set_defaults(func=_cmd_check)
+    p = verb("verify", "report whether an installed megatron-core matches this repo's series")
+    p.add_argument("--python", default=sys.executable, help="interpreter of the environment")
+    p.set_defaults(func=_cmd_verify)
+    p = sub.add_parser(
+        "trees",
+        help="materialize the base and patched trees the tests run against, under .build/trees",
+        description="materialize the base and patched trees under .build/trees; prints "
+        "shell exports of MOE_RELEASE_BASE_TREE and MOE_RELEASE_TREE",
+    )
+    p.set_defaults(func=_cmd_trees)
+    p = verb("label", "print the overlay version (base+label) of the series")
+    p.add_argument("--no-series", action="store_true", help="label of the base + new modules only")
+    p.set_defaults(func=_cmd_label)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point: user errors are one line on stderr and exit status 2."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as exc:
+        print(f"moe_release.py {args.verb}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

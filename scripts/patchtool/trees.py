@@ -1,0 +1,200 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""Materialized trees: base + series + overlay in memory, the manifest, atomic writes."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import py_compile
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+from .common import REPO_ROOT, UserError, log
+from .patches import apply_file_patch, overlay_label, parse_patch, sha256_bytes, stamp_package_info
+from .pins import Base, load_pins
+from .repo import overlay_files, read_series
+from .sdist import fetch_sdist, read_sdist
+
+MANIFEST_PATH = "megatron/core/_moe_release_manifest.json"
+PACKAGE_INFO = "megatron/core/package_info.py"
+
+
+@dataclasses.dataclass
+class Tree:
+    """A materialized tree in memory."""
+
+    base: Base
+    files: dict[str, bytes]
+    patches: list[str]
+    touched: list[str]  # files changed by the series
+    overlay: list[str]  # files added from this repo
+    label: str
+
+    @property
+    def version(self) -> str:
+        """The overlay's PEP 440 version."""
+        return f"{self.base.version}+{self.label}"
+
+
+def build_tree(
+    base: Base,
+    base_files: dict[str, bytes],
+    patches: Sequence[tuple[str, bytes]],
+    overlay: Sequence[tuple[str, bytes]],
+    stamp: bool = True,
+    compile_check: bool = False,
+) -> Tree:
+    """Apply the series and add the overlay, in memory; raises UserError naming what failed."""
+    files = dict(base_files)
+    touched: list[str] = []
+    for name, data in patches:
+        patch = parse_patch(data, name)
+        changed = []
+        for fp in patch.files:
+            new = apply_file_patch(files.get(fp.path), fp, name)
+            if new is None:
+                files.pop(fp.path, None)
+            else:
+                files[fp.path] = new
+                changed.append(fp.path)
+            if fp.path not in touched:
+                touched.append(fp.path)
+        if compile_check:
+            _compile_sources(name, {p: files[p] for p in changed if p.endswith(".py")})
+    names = []
+    for rel, data in overlay:
+        if rel in base_files:
+            raise UserError(
+                f"overlay file {rel} collides with upstream megatron-core {base.version}"
+            )
+        if rel in files:
+            raise UserError(f"overlay file {rel} collides with a file created by the series")
+        files[rel] = data
+        names.append(rel)
+    label = overlay_label(base, patches, overlay)
+    tree = Tree(base, files, [n for n, _ in patches], touched, names, label)
+    if stamp:
+        files[PACKAGE_INFO] = stamp_package_info(
+            files[PACKAGE_INFO].decode(), tree.version
+        ).encode()
+        if MANIFEST_PATH in base_files:
+            raise UserError(f"{MANIFEST_PATH} collides with upstream megatron-core {base.version}")
+        files[MANIFEST_PATH] = manifest_bytes(tree)
+    return tree
+
+
+def manifest_bytes(tree: Tree) -> bytes:
+    """What this tree was built from, and the hashes `verify` compares."""
+    hashed = sorted(set(tree.touched + tree.overlay + [PACKAGE_INFO]) & set(tree.files))
+    manifest = {
+        "name": "megatron-core",
+        "version": tree.version,
+        "base": {
+            "version": tree.base.version,
+            "sdist": tree.base.sdist,
+            "sha256": tree.base.sha256,
+            "tag": tree.base.tag,
+        },  # fmt: skip
+        "series": tree.patches,
+        "files": {p: sha256_bytes(tree.files[p]) for p in hashed},
+    }
+    return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _compile_sources(patch_name: str, sources: dict[str, bytes]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        for rel, data in sources.items():
+            path = Path(tmp) / "src.py"
+            path.write_bytes(data)
+            try:
+                py_compile.compile(str(path), cfile=str(Path(tmp) / "src.pyc"), doraise=True)
+            except py_compile.PyCompileError as exc:
+                raise UserError(
+                    f"{patch_name}: {rel} does not compile after this patch: {exc.msg}"
+                ) from None
+
+
+def load_tree(
+    version: Optional[str] = None,
+    series: bool = True,
+    root: Path = REPO_ROOT,
+    compile_check: bool = False,
+) -> Tree:
+    """Pins + cached sdist + repo series + overlay -> Tree."""
+    pins = load_pins(root / "patches" / "pins.toml")
+    base = pins.get(version)
+    patches = read_series(base, root) if series else []
+    base_files = read_sdist(fetch_sdist(base))
+    return build_tree(base, base_files, patches, overlay_files(root), compile_check=compile_check)
+
+
+@contextlib.contextmanager
+def atomic_directory(dest: Path) -> Iterator[Path]:
+    """A fresh temp dir beside dest, renamed to dest when the block succeeds, removed if not.
+
+    dest must be absent or an empty directory; nothing is left half-written either way.
+    """
+    dest = dest.absolute()
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise UserError(f"{dest}: target exists and is not empty")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
+    try:
+        yield tmp
+        if dest.exists():
+            dest.rmdir()
+        os.rename(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_files(root: Path, files: dict[str, bytes]) -> None:
+    """Write {relative path: bytes} under root."""
+    for rel, data in sorted(files.items()):
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
+def write_tree_atomic(files: dict[str, bytes], dest: Path) -> None:
+    """Write files under a fresh temp dir beside dest, then rename it into place."""
+    with atomic_directory(dest) as tmp:
+        write_files(tmp, files)
+
+
+def materialize(
+    dest: Path, version: Optional[str] = None, series: bool = True, root: Path = REPO_ROOT
+) -> Tree:
+    """Write a complete patched megatron-core tree to dest (which must be absent or empty)."""
+    dest = dest.absolute()
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise UserError(f"{dest}: target exists and is not empty")
+    tree = load_tree(version, series=series, root=root)
+    write_tree_atomic(tree.files, dest)
+    return tree
+
+
+def ensure_trees(root: Path = REPO_ROOT) -> tuple[Path, Path]:
+    """(base tree, patched tree) under .build/trees, what tests and the report run against.
+
+    The base tree is the pristine sdist plus this repo's new modules (no series). Each tree's
+    directory is named by its version label, so a changed series or module gets a fresh one;
+    trees of other labels are removed.
+    """
+    trees_dir = root / ".build" / "trees"
+    base, patched = load_tree(series=False, root=root), load_tree(root=root)
+    wanted = {f"base-{base.version}": base, patched.version: patched}
+    for name, tree in wanted.items():
+        if not (trees_dir / name).exists():
+            log(f"materializing {trees_dir / name}")
+            write_tree_atomic(tree.files, trees_dir / name)
+    for old in trees_dir.iterdir():
+        if old.name not in wanted:
+            shutil.rmtree(old, ignore_errors=True)
+    return trees_dir / f"base-{base.version}", trees_dir / patched.version
