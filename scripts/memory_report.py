@@ -31,12 +31,11 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 from patchtool.trees import ensure_trees  # noqa: E402
 
-WORKER = "scripts.moe_report_worker"
+WORKER = "moe_report_worker"
 MAIN = dict(
     layers=4, tokens=2048, seq=256, hidden=64, ffn=128, heads=4, experts=8, topk=2, vocab=1024,
     backend="hybridep", seed=1234, steps=5,
@@ -156,7 +155,7 @@ def run(
     tree: str, target: str, cfg: Dict[str, Any], runtime: Runtime = CPU, timeout: float = 900
 ) -> List[Any]:
     """Run a worker function on WORLD ranks over the given tree, where ``runtime`` says."""
-    from tests.unit_tests.dist_utils import run_distributed
+    from cpu_runtime.launcher import run_distributed
 
     emulated = runtime.kernels == "emulation"
     return run_distributed(
@@ -495,7 +494,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     started = time.monotonic()
     if runtime.device == "cpu":
-        from tests.unit_tests import cpu_memory
+        from cpu_runtime import cpu_memory
 
         cpu_memory.build()
     base, patched = trees()

@@ -2,7 +2,7 @@
 
 """Rank side of the memory report: a small but real megatron-core MoE training run.
 
-Runs inside ranks spawned by ``tests.unit_tests.dist_utils`` (one thread, the tree under test
+Runs inside ranks spawned by ``cpu_runtime.launcher`` (one thread, the tree under test
 first on the path, the deep_ep emulation installed before megatron is imported unless the real
 kernels run; gloo, or NCCL with the real kernels). The
 model is megatron-core's GPTModel on the local (non-TE) layer spec with MoE layers: the real
@@ -14,7 +14,7 @@ whose grad buffers are allocated on ``torch.cuda.current_device()`` (param_and_g
 so it does not run on CPU; the GPU run keeps torch's AdamW too, so both run the same job.
 
 Memory is measured at the allocator: on CPU by the counting allocator of
-``tests/unit_tests/cpu_memory.py`` (bytes of every tensor storage, on every thread, since the job
+``cpu_runtime/cpu_memory.py`` (bytes of every tensor storage, on every thread, since the job
 started), on CUDA by the caching allocator's counters.
 """
 
@@ -35,7 +35,7 @@ def _device() -> torch.device:
 class AllocatorClock:
     """Live allocator bytes at named instants and the peak of each start/end window.
 
-    CPU: the counting allocator of ``tests/unit_tests/cpu_memory.py`` (every thread, exact
+    CPU: the counting allocator of ``cpu_runtime/cpu_memory.py`` (every thread, exact
     bytes of tensor storage). CUDA: the caching allocator's counters (``memory_allocated``,
     ``max_memory_allocated``) and, for the timeline, its allocation trace.
     """
@@ -45,8 +45,8 @@ class AllocatorClock:
         if device.type == "cuda":
             self.mem = torch.cuda
         else:
+            from cpu_runtime import cpu_memory
             from megatron.core.transformer.moe import moe_memory_probe
-            from tests.unit_tests import cpu_memory
 
             cpu_memory.install()
             moe_memory_probe.set_host_allocated_bytes(cpu_memory.memory_allocated)
@@ -131,7 +131,7 @@ def build_model(cfg: Dict[str, Any]):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from tests.unit_tests.transformer.moe.moe_cpu_harness import moe_config
+    from cpu_runtime.moe_harness import moe_config
 
     config = moe_config(
         cfg["backend"],
@@ -233,9 +233,9 @@ def _run_steps(cfg, model, opt, clock, mark, losses, norms, times) -> None:
 
 def train(cfg: Dict[str, Any]) -> Dict[str, Any]:
     """Build the model and run cfg['steps'] steps; losses, norms, memory, timing, held state."""
+    from cpu_runtime import compat as cpu_compat
+    from cpu_runtime.moe_harness import init_megatron
     from megatron.core.transformer.moe import moe_memory_probe as probe
-    from tests.unit_tests import cpu_compat
-    from tests.unit_tests.transformer.moe.moe_cpu_harness import init_megatron
 
     if torch.cuda.is_available():
         # Base and patched must agree bitwise on a GPU too: deterministic kernels (index_add_
@@ -306,7 +306,7 @@ def sweep(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
 def _teardown() -> None:
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
-    from tests.unit_tests.cpu_compat import teardown_megatron_state
+    from cpu_runtime.compat import teardown_megatron_state
 
     teardown_megatron_state()
     # Sized by the number of layers of the model that first used it.

@@ -1,5 +1,5 @@
-"""The tooling lives under scripts/ (``patchtool``, the report
-modules); tests import it from there, never the reverse."""
+"""The tooling and the CPU runtime live under scripts/ (``patchtool``, ``cpu_runtime``, the report
+modules); tests import them from there, never the reverse."""
 
 import sys
 from pathlib import Path

@@ -52,7 +52,7 @@ def dist_job():
     Usage: ``dist_job(target, world_size, tree, **kwargs)``. A failing job is cached too, so the
     tests that share it all report the same rank tracebacks without re-spawning.
     """
-    from tests.unit_tests.dist_utils import run_distributed
+    from cpu_runtime.launcher import run_distributed
 
     cache = {}
 

@@ -14,6 +14,7 @@ from typing import Callable, Dict, Tuple
 import torch
 import torch.distributed as dist
 
+from cpu_runtime import moe_harness
 from tests.unit_tests.device_placement import FactoryPlacement
 from tests.unit_tests.transformer.moe import moe_cpu_harness as harness
 
@@ -234,8 +235,8 @@ def layer_checks(backend: str, recompute: bool, verdicts: Verdicts, tokens: int 
 
     world, rank = dist.get_world_size(), dist.get_rank()
     tag = f"layer-{backend}-{'checkpoint' if recompute else 'plain'}"
-    config = harness.moe_config(backend, world, recompute=recompute)
-    layer = harness.build_moe_layer(config)
+    config = moe_harness.moe_config(backend, world, recompute=recompute)
+    layer = moe_harness.build_moe_layer(config)
     layer.train()
     harness.load_layer_weights(layer, config)
     if recompute:
@@ -269,7 +270,7 @@ def dispatcher_checks(backend: str, verdicts: Verdicts, tokens: int = 9) -> None
 
     world, rank = dist.get_world_size(), dist.get_rank()
     tag = f"dispatcher-{backend}"
-    config = harness.moe_config(backend, world)
+    config = moe_harness.moe_config(backend, world)
     num_experts, local = config.num_moe_experts, config.num_moe_experts // world
     topk = config.moe_router_topk
     # Top-k routing with the edge cases (DeepEP needs exactly k picks, so no empty tokens).
@@ -477,7 +478,7 @@ def _emulation():
 def emulation_and_layer_job(tree_kind: str = "patched") -> Verdicts:
     """Every check for this world size."""
     world = dist.get_world_size()
-    info = harness.init_megatron(ep=world)
+    info = moe_harness.init_megatron(ep=world)
     emu = _emulation()
     verdicts: Verdicts = {}
     base_shim_checks(tree_kind, info["shims"], verdicts)
@@ -512,7 +513,7 @@ def breakage_job(how: str) -> Verdicts:
     A rank may also raise (a broken layout can break shapes); the caller counts that as the
     breakage being caught too.
     """
-    harness.init_megatron(ep=dist.get_world_size())
+    moe_harness.init_megatron(ep=dist.get_world_size())
     emu = _emulation()
     verdicts: Verdicts = {}
     undo = _break(emu, how)
@@ -534,12 +535,12 @@ def memory_probe_job(
 
     probe = importlib.import_module("megatron.core.transformer.moe.moe_memory_probe")
     world, rank = dist.get_world_size(), dist.get_rank()
-    harness.init_megatron(ep=world)
-    config = harness.moe_config(
+    moe_harness.init_megatron(ep=world)
+    config = moe_harness.moe_config(
         "hybridep", world, hidden=hidden, ffn=2 * hidden, recompute=recompute, num_layers=num_layers
     )
     model = torch.nn.ModuleList(
-        [harness.build_moe_layer(config, layer_number=i + 1) for i in range(num_layers)]
+        [moe_harness.build_moe_layer(config, layer_number=i + 1) for i in range(num_layers)]
     )
     model.train()
     for layer in model:

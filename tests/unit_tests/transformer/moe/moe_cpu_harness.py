@@ -1,90 +1,19 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
-"""Rank-side helpers: build megatron-core's real MoE pieces on CPU and a dense oracle.
+"""Rank-side test helpers: seeded weights and a dense oracle for megatron-core's real MoE layer.
 
-Everything here runs inside ranks spawned by ``tests.unit_tests.dist_utils`` (the deep_ep
-emulation is installed before megatron is imported). The oracle is written from the math, not
-from megatron: a dense single-process MoE over all ranks' tokens, with each rank's router copy
-kept separate so per-rank router gradients compare one to one.
+Everything here runs inside ranks spawned by ``cpu_runtime.launcher`` (the deep_ep emulation
+is installed before megatron is imported; ``cpu_runtime.moe_harness`` builds the layer). The
+oracle is written from the math, not from megatron: a dense single-process MoE over all ranks'
+tokens, with each rank's router copy kept separate so per-rank router gradients compare one to
+one.
 """
 
 import os
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
-
-from tests.unit_tests.cpu_compat import install_base_tree_shims, install_cpu_rng_shim
-
-
-def init_megatron(ep: int, tp: int = 1, seed: int = 1234) -> Dict[str, object]:
-    """Initialize parallel state (gloo groups) and the CPU shims; returns what was installed."""
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from megatron.core import parallel_state
-
-    install_cpu_rng_shim()
-    shims = install_base_tree_shims()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep
-    )
-    model_parallel_cuda_manual_seed(seed)
-    return {"shims": shims}
-
-
-def moe_config(
-    backend: str,
-    ep: int,
-    num_experts: int = 8,
-    topk: int = 2,
-    hidden: int = 16,
-    ffn: int = 32,
-    recompute: bool = False,
-    dtype: torch.dtype = torch.float32,
-    num_layers: int = 1,
-    **overrides,
-):
-    """A small TransformerConfig for the flex dispatcher on CPU (local, non-TE modules)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    kwargs = dict(
-        num_layers=num_layers,
-        hidden_size=hidden,
-        num_attention_heads=1,
-        ffn_hidden_size=ffn,
-        moe_ffn_hidden_size=ffn,
-        num_moe_experts=num_experts,
-        moe_router_topk=topk,
-        moe_token_dispatcher_type="flex",
-        moe_flex_dispatcher_backend=backend,
-        moe_router_dtype="fp32",
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        moe_grouped_gemm=False,
-        moe_permute_fusion=False,
-        moe_router_fusion=False,
-        expert_model_parallel_size=ep,
-        add_bias_linear=False,
-        bias_activation_fusion=False,
-        gradient_accumulation_fusion=False,
-        use_cpu_initialization=True,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    if recompute:
-        kwargs.update(recompute_granularity="selective", recompute_modules=["moe"])
-    kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
-
-
-def build_moe_layer(config, layer_number: int = 1):
-    """megatron-core's MoELayer with SequentialMLP experts and the real TopKRouter."""
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-
-    spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts)
-    return spec(config=config, layer_number=layer_number)
 
 
 def seeded(shape, seed: int, dtype=torch.float32, scale: float = 1.0) -> torch.Tensor:

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from tests.unit_tests.dist_utils import REPO_ROOT, free_port
+from cpu_runtime.launcher import REPO_ROOT, SCRIPTS, free_port
 
 CHECKS = {
     "triton": """
@@ -61,8 +61,8 @@ CHECKS = {
 
 PRELUDE = """
 import os, sys
-sys.path.insert(0, {tree!r})
-from tests.unit_tests.cpu_compat import load_deep_ep_emulation
+sys.path[:0] = [{tree!r}, {scripts!r}]
+from cpu_runtime.compat import load_deep_ep_emulation
 load_deep_ep_emulation({tree!r}).install()
 import torch.distributed as dist
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
@@ -72,7 +72,9 @@ dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, wo
 def _run_all(tree: str) -> dict:
     procs = {}
     for name, body in CHECKS.items():
-        code = PRELUDE.format(tree=tree, port=free_port()) + textwrap.dedent(body)
+        code = PRELUDE.format(tree=tree, scripts=str(SCRIPTS), port=free_port()) + textwrap.dedent(
+            body
+        )
         env = {"PATH": "/usr/bin:/bin", "NO_VCS_VERSION": "1", "OMP_NUM_THREADS": "1",
                "CUDA_VISIBLE_DEVICES": "", "TORCHDYNAMO_DISABLE": "1"}  # fmt: skip
         procs[name] = subprocess.Popen(

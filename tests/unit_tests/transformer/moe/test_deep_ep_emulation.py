@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from tests.unit_tests.cpu_compat import EMULATION_MODULE, load_deep_ep_emulation
+from cpu_runtime.compat import EMULATION_MODULE, load_deep_ep_emulation
 
 JOB = "tests.unit_tests.transformer.moe.cpu_jobs:emulation_and_layer_job"
 BREAK_JOB = "tests.unit_tests.transformer.moe.cpu_jobs:breakage_job"
@@ -44,7 +44,7 @@ def test_kernels_match_reference(dist_job, patched_tree, world):
 )
 def test_checks_catch_a_broken_emulation(dist_job, patched_tree, how):
     """Each deliberate breakage makes some kernel or layer check fail (or a rank raise)."""
-    from tests.unit_tests.dist_utils import DistributedTestError
+    from cpu_runtime.launcher import DistributedTestError
 
     try:
         results = dist_job(BREAK_JOB, 2, patched_tree, how=how)

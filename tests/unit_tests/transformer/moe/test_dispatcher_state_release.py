@@ -20,7 +20,7 @@ import weakref
 import pytest
 
 try:
-    from tests.unit_tests.dist_utils import run_distributed
+    from cpu_runtime.launcher import run_distributed
 except ImportError:  # pragma: no cover - harness not present
     run_distributed = None
 
@@ -60,7 +60,7 @@ HIDDEN = 16
 def _setup(ep):
     import torch
 
-    from tests.unit_tests.transformer.moe.moe_cpu_harness import init_megatron
+    from cpu_runtime.moe_harness import init_megatron
 
     init_megatron(ep=ep, seed=1234)
     torch.manual_seed(1234)
@@ -281,7 +281,7 @@ def rank_train(dispatcher, backend, ep, recompute, compile_=False, release=None,
 def rank_train_modes(dispatcher, backend, ep, recomputes):
     """rank_train for each recompute mode in turn, in one process (spawning ranks and
     importing megatron cost more than the runs themselves)."""
-    from tests.unit_tests.cpu_compat import teardown_megatron_state
+    from cpu_runtime.compat import teardown_megatron_state
 
     out = {}
     for recompute in recomputes:

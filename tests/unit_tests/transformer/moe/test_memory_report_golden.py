@@ -9,15 +9,11 @@ bitwise on losses, gradient norms, gradients and updated parameters.
 """
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.unit_tests.dist_utils import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-import memory_report  # noqa: E402
+import memory_report
 
 GOLDEN = Path(__file__).parent / "golden_values" / "memory_report_ep2.json"
 
@@ -25,7 +21,7 @@ GOLDEN = Path(__file__).parent / "golden_values" / "memory_report_ep2.json"
 @pytest.fixture(scope="module")
 def report(base_tree, patched_tree):
     """Measured base and patched runs of the golden configuration."""
-    from tests.unit_tests import cpu_memory
+    from cpu_runtime import cpu_memory
 
     cpu_memory.build()
     cfg = dict(memory_report.GOLDEN_CONFIG)

@@ -13,11 +13,9 @@ import sys
 
 import pytest
 
-from tests.unit_tests.dist_utils import REPO_ROOT, rank_env, run_distributed
-
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-import memory_report  # noqa: E402
-import moe_report_worker  # noqa: E402
+import memory_report
+import moe_report_worker
+from cpu_runtime.launcher import REPO_ROOT, rank_env, run_distributed
 
 Runtime, ReportError = memory_report.Runtime, memory_report.ReportError
 

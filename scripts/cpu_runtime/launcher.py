@@ -2,7 +2,7 @@
 
 """Spawn real torch.distributed ranks (gloo on CPU by default) and collect their results.
 
-Each rank is a fresh ``python -m tests.unit_tests.dist_utils`` subprocess, so megatron-core is
+Each rank is a fresh ``python -m cpu_runtime.launcher`` subprocess, so megatron-core is
 imported from the tree under test (first on ``PYTHONPATH``) and the CPU ``deep_ep`` emulation
 can be registered before megatron's first import. A rank runs ``module:function(**kwargs)`` and
 saves its return value (``torch.save``), or its traceback, to a file. The parent waits with a
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO_ROOT / "scripts"
 
 
 class DistributedTestError(AssertionError):
@@ -56,7 +57,8 @@ def rank_env(
     """Environment of one rank: tree first on the path, one thread, no VCS lookup, and no
     visible GPU unless ``device`` is "cuda"."""
     env = dict(os.environ)
-    path = [tree, str(REPO_ROOT)]
+    # The runtime itself, then the repository root for targets in tests/.
+    path = [tree, str(SCRIPTS), str(REPO_ROOT)]
     env.update(
         PYTHONPATH=os.pathsep.join(path),
         RANK=str(rank),
@@ -127,7 +129,7 @@ def run_distributed(
                 logs.append(log)
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "tests.unit_tests.dist_utils", str(job)],
+                        [sys.executable, "-m", "cpu_runtime.launcher", str(job)],
                         env=rank_env(tree, rank, world_size, port, torch_compile, device),
                         cwd=str(REPO_ROOT),
                         stdout=log,
@@ -205,7 +207,7 @@ def _rank_main(job: Path) -> int:
         if spec["device"] == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         if spec["emulate_deep_ep"]:
-            from tests.unit_tests.cpu_compat import load_deep_ep_emulation
+            from cpu_runtime.compat import load_deep_ep_emulation
 
             emulation = load_deep_ep_emulation(os.environ["MOE_RELEASE_TREE"])
             emulation.install(force=spec["force_emulation"])
@@ -224,7 +226,7 @@ def _rank_main(job: Path) -> int:
         try:
             result = func(**spec["kwargs"])
         finally:
-            from tests.unit_tests.cpu_compat import teardown_megatron_state
+            from cpu_runtime.compat import teardown_megatron_state
 
             teardown_megatron_state()
             dist.destroy_process_group()

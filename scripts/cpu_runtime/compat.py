@@ -1,13 +1,13 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
-"""CPU compatibility for running megatron-core's real MoE code in tests.
+"""CPU compatibility for running megatron-core's real MoE code on a host without CUDA.
 
 Three kinds of help, each as narrow as the spot it covers:
 
 * :func:`load_deep_ep_emulation` loads the overlay's ``deep_ep_emulation.py`` by file path, so
   registering it as ``deep_ep`` does not import megatron-core first.
 * :func:`install_cpu_rng_shim` gives ``tensor_parallel.random`` a CPU stand-in for the CUDA
-  generator (a dedicated ``torch.Generator``), set synchronously. Test fixture, not a patch:
+  generator (a dedicated ``torch.Generator``), set synchronously. A runtime stand-in, not a patch:
   upstream's checkpointing is CUDA-RNG by design and a host generator there would change what
   production code saves.
 * :func:`install_base_tree_shims` covers, only where the tree still needs it (the pristine

@@ -1,0 +1,12 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""What the memory report and the tests need to run megatron-core's real MoE code without CUDA.
+
+* ``compat`` - stand-ins for CUDA-only calls (RNG, two device lookups on the pristine base) and
+  the loader of the overlay's ``deep_ep`` emulation
+* ``launcher`` - spawns real torch.distributed ranks (gloo) and collects their results
+* ``cpu_memory`` (+ ``cpu_memory_counter.cpp``) - allocator-level host memory counters
+* ``moe_harness`` - parallel state and small MoE configs/layers on the host
+
+Imported with ``scripts/`` on ``sys.path``; nothing here imports from ``tests/``.
+"""
