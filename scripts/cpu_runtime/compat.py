@@ -2,7 +2,7 @@
 
 """CPU compatibility for running megatron-core's real MoE code on a host without CUDA.
 
-Three kinds of help, each as narrow as the spot it covers:
+Each kind of help is as narrow as the spot it covers:
 
 * :func:`load_deep_ep_emulation` loads the overlay's ``deep_ep_emulation.py`` by file path, so
   registering it as ``deep_ep`` does not import megatron-core first.
@@ -14,14 +14,22 @@ Three kinds of help, each as narrow as the spot it covers:
   base; patch 1 fixes both at the source), ``_HybridEPManager.over_budget`` allocated with
   ``device='cuda'`` and ``Router.gating`` moving host weights to
   ``torch.cuda.current_device()``.
+* :func:`install_dtoh_stream_cpu_shim` runs the all-to-all dispatcher's dropless path: a host
+  stand-in for its device-to-host side stream and events (:class:`HostStream`), with split
+  sizes arriving as numpy arrays as they do from a GPU.
+* :func:`install_attention_cpu_shim` and :func:`install_tensor_parallel_cpu_shim` let
+  GlobalMemoryBuffer and the tensor-parallel gathers/reduce-scatters, which allocate on
+  ``torch.cuda.current_device()``, allocate on the host.
 """
 
+import contextlib
 import functools
 import importlib.util
 import inspect
 import sys
 import types
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -174,6 +182,124 @@ def install_attention_cpu_shim() -> bool:
         return False
     _with_host_current_device(mcore_utils, buffer_cls, "get_tensor")
     buffer_cls._moe_release_cpu = True
+    return True
+
+
+def install_tensor_parallel_cpu_shim() -> bool:
+    """For tensor/sequence parallelism without CUDA: megatron's gathers and reduce-scatters
+    (``tensor_parallel.mappings``) and its GlobalMemoryBuffer allocate their outputs on
+    ``torch.cuda.current_device()``; here they allocate on the host. Only the ``torch`` global
+    of ``mappings`` and ``GlobalMemoryBuffer.get_tensor`` see the stand-in. Idempotent; returns
+    whether it installed anything."""
+    from megatron.core.tensor_parallel import mappings
+
+    if torch.cuda.is_available() or getattr(mappings, "_moe_release_cpu", False):
+        return False
+    mappings.torch = _Proxy(torch, cuda=_Proxy(torch.cuda, current_device=lambda: "cpu"))
+    mappings._moe_release_cpu = True
+    install_attention_cpu_shim()
+    return True
+
+
+class HostEvent:
+    """Stand-in for ``torch.cuda.Event`` on the host: work is synchronous, so an event is
+    complete as soon as it is recorded."""
+
+    def __init__(self, stream: "HostStream"):
+        self.stream = stream
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Optional["HostStream"] = None) -> None:
+        pass
+
+
+class HostStream:
+    """Stand-in for ``torch.cuda.Stream`` on the host: distinct streams compare unequal,
+    ``record_event`` returns a (completed) :class:`HostEvent` and ``wait_stream`` records the
+    dependency (``waited``) for tests to inspect."""
+
+    def __init__(self, priority: int = 0, name: str = "side"):
+        self.name = name
+        self.waited: list = []
+
+    def wait_stream(self, stream: "HostStream") -> None:
+        if not isinstance(stream, HostStream):
+            raise TypeError(f"wait_stream expects a stream, got {type(stream).__name__}")
+        self.waited.append(stream)
+
+    def record_event(self, event: Optional[HostEvent] = None) -> HostEvent:
+        return event or HostEvent(self)
+
+    def synchronize(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"HostStream({self.name})"
+
+
+class HostStreams:
+    """The current-stream bookkeeping of ``torch.cuda`` (``current_stream``, ``stream(...)``)
+    for :class:`HostStream`; one default stream per process, as on a device."""
+
+    def __init__(self):
+        self.default = HostStream(name="default")
+        self.current = self.default
+
+    def current_stream(self, device=None) -> HostStream:
+        return self.current
+
+    @contextlib.contextmanager
+    def stream(self, stream: Optional[HostStream]):
+        if stream is None:
+            yield
+            return
+        if not isinstance(stream, HostStream):
+            raise TypeError(f"stream() expects a stream, got {type(stream).__name__}")
+        saved, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = saved
+
+
+def host_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """``moe_utils.maybe_move_tensor_to_cpu`` as it behaves on a GPU, for host tensors: the
+    result is a copy (the device-to-host transfer), a numpy array when ``as_numpy``."""
+    if not torch.is_tensor(tensor):
+        return tensor
+    out = tensor.detach().clone()
+    return out.numpy() if as_numpy else out
+
+
+HOST_STREAMS = HostStreams()
+
+
+def install_dtoh_stream_cpu_shim() -> bool:
+    """The all-to-all dispatcher's dropless path on the host: its side stream for the
+    device-to-host copies of the split sizes (``torch.cuda.Stream``, ``current_stream``,
+    ``stream``, ``wait_stream``, ``record_event``) becomes :class:`HostStream`, and the copies
+    arrive as numpy arrays, as they do from a GPU. Only ``token_dispatcher``'s ``torch.cuda``
+    view and its ``maybe_move_tensor_to_cpu`` are replaced. Idempotent; returns whether it
+    installed anything."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    if torch.cuda.is_available() or getattr(token_dispatcher, "_moe_release_cpu_streams", False):
+        return False
+    cuda = _Proxy(
+        torch.cuda,
+        Stream=HostStream,
+        Event=HostEvent,
+        current_stream=HOST_STREAMS.current_stream,
+        stream=HOST_STREAMS.stream,
+    )
+    token_dispatcher.torch = _Proxy(token_dispatcher.torch, cuda=cuda)
+    token_dispatcher.maybe_move_tensor_to_cpu = host_move_tensor_to_cpu
+    token_dispatcher._moe_release_cpu_streams = True
     return True
 
 
