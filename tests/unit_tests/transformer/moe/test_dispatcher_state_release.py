@@ -19,34 +19,51 @@ import weakref
 
 import pytest
 
-try:
-    from cpu_runtime.launcher import run_distributed
-except ImportError:  # pragma: no cover - harness not present
-    run_distributed = None
+from cpu_runtime.launcher import run_distributed
 
 PATCHED_TREE = os.environ.get("MOE_RELEASE_TREE")
 BASE_TREE = os.environ.get("MOE_RELEASE_BASE_TREE")
 THIS = "tests.unit_tests.transformer.moe.test_dispatcher_state_release"
 
-needs_tree = pytest.mark.skipif(
-    run_distributed is None or not PATCHED_TREE, reason="needs MOE_RELEASE_TREE and dist_utils"
-)
+# Skipped without the trees (a plain `pytest` outside scripts/run-tests); under CI a skip fails
+# the run (tests/conftest.py).
+needs_tree = pytest.mark.skipif(not PATCHED_TREE, reason="needs MOE_RELEASE_TREE")
 needs_base = pytest.mark.skipif(
-    run_distributed is None or not PATCHED_TREE or not BASE_TREE,
-    reason="needs MOE_RELEASE_TREE, MOE_RELEASE_BASE_TREE and dist_utils",
+    not PATCHED_TREE or not BASE_TREE, reason="needs MOE_RELEASE_TREE and MOE_RELEASE_BASE_TREE"
 )
 
-# (dispatcher, backend, EP). DeepEP needs TPxEP > 1; the all-to-all dispatcher runs its
-# drop-and-pad path, the one that needs no CUDA side stream.
+# (dispatcher, backend, EP). DeepEP needs TPxEP > 1. The all-to-all dispatcher runs dropless
+# (what production uses: split sizes copied to the host on a side stream, here the CPU
+# runtime's stand-in) and drop-and-pad; the all-gather dispatcher is megatron-core's default.
 CONFIGS = [
     ("flex", "hybridep", 1),
     ("flex", "hybridep", 2),
     ("flex", "hybridep", 4),
     ("flex", "deepep", 2),
     ("flex", "deepep", 4),
-    ("alltoall", None, 1),
+    ("alltoall", "pad", 1),
+    ("alltoall", "dropless", 1),
+    ("alltoall", "dropless", 2),
+    ("alltoall", "dropless", 4),
+    ("allgather", None, 1),
+    ("allgather", None, 2),
+    ("allgather", None, 4),
 ]
-CONFIG_IDS = [f"{d}-{b}-ep{ep}" if b else f"{d}-ep{ep}" for d, b, ep in CONFIGS]
+# Behind the `slow` marker (run with `scripts/run-tests -m slow`): each has an EP2 case by default.
+SLOW_CONFIGS = {("alltoall", "dropless", 4), ("allgather", None, 4)}
+
+
+def _params(configs):
+    return [
+        pytest.param(
+            *c,
+            id=f"{c[0]}-{c[1]}-ep{c[2]}" if c[1] else f"{c[0]}-ep{c[2]}",
+            marks=[pytest.mark.slow] if c in SLOW_CONFIGS else [],
+        )
+        for c in configs
+    ]
+
+
 RECOMPUTE = ["none", "moe_layer_recompute", "checkpoint"]
 NUM_LAYERS = 3
 HIDDEN = 16
@@ -57,27 +74,22 @@ HIDDEN = 16
 # --------------------------------------------------------------------------------------------
 
 
-def _setup(ep):
+def _setup(ep, tp=1):
     import torch
 
     from cpu_runtime.moe_harness import init_megatron
 
-    init_megatron(ep=ep, seed=1234)
+    init_megatron(ep=ep, tp=tp, seed=1234)
     torch.manual_seed(1234)
 
 
-def _build_layers(dispatcher, backend, ep, num_layers=NUM_LAYERS, recompute="none", **extra):
+def _build_layers(dispatcher, backend, ep, num_layers=NUM_LAYERS, recompute="none", tp=1, **extra):
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.spec_utils import get_submodules
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron.core.transformer.moe import token_dispatcher as td
-
-    if dispatcher == "alltoall" and td.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
-        # Only read on the dropless path; drop-and-pad never touches it.
-        td.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = object()
     kwargs = dict(
         num_layers=num_layers,
         hidden_size=HIDDEN,
@@ -92,9 +104,12 @@ def _build_layers(dispatcher, backend, ep, num_layers=NUM_LAYERS, recompute="non
         expert_model_parallel_size=ep,
         moe_layer_recompute=recompute == "moe_layer_recompute",
     )
+    if tp > 1:
+        # The all-gather dispatcher then gathers over TPxEP; sequence parallel as in production.
+        kwargs.update(tensor_model_parallel_size=tp, sequence_parallel=True)
     if dispatcher == "flex":
         kwargs["moe_flex_dispatcher_backend"] = backend
-    else:
+    elif dispatcher == "alltoall" and backend == "pad":
         kwargs.update(moe_expert_capacity_factor=2.0, moe_pad_expert_input_to_capacity=True)
     kwargs.update(extra)
     config = TransformerConfig(**kwargs)
@@ -237,7 +252,7 @@ def _grads(layers, x):
     return out
 
 
-def rank_train(dispatcher, backend, ep, recompute, compile_=False, release=None, steps=2):
+def rank_train(dispatcher, backend, ep, recompute, compile_=False, release=None, steps=2, tp=1):
     """Forward+backward ``steps`` times through a stack of MoE layers.
 
     Returns the losses, outputs and gradients of the last step, the weakref census after the
@@ -245,11 +260,11 @@ def rank_train(dispatcher, backend, ep, recompute, compile_=False, release=None,
     """
     import torch
 
-    _setup(ep)
+    _setup(ep, tp)
     extra = {}
     if release is not None:
         extra["moe_release_dispatcher_state_after_combine"] = release
-    layers = _build_layers(dispatcher, backend, ep, recompute=recompute, **extra)
+    layers = _build_layers(dispatcher, backend, ep, recompute=recompute, tp=tp, **extra)
     runners = layers
     if compile_:
         runners = [torch.compile(layer, backend="aot_eager") for layer in layers]
@@ -278,14 +293,14 @@ def rank_train(dispatcher, backend, ep, recompute, compile_=False, release=None,
     return result
 
 
-def rank_train_modes(dispatcher, backend, ep, recomputes):
+def rank_train_modes(dispatcher, backend, ep, recomputes, tp=1):
     """rank_train for each recompute mode in turn, in one process (spawning ranks and
     importing megatron cost more than the runs themselves)."""
     from cpu_runtime.compat import teardown_megatron_state
 
     out = {}
     for recompute in recomputes:
-        out[recompute] = rank_train(dispatcher, backend, ep, recompute)
+        out[recompute] = rank_train(dispatcher, backend, ep, recompute, tp=tp)
         teardown_megatron_state()
         gc.collect()
     return out
@@ -535,14 +550,14 @@ def rank_manager_units():
 
 
 @functools.cache
-def _train_modes(tree, dispatcher, backend, ep):
-    kwargs = dict(dispatcher=dispatcher, backend=backend, ep=ep, recomputes=RECOMPUTE)
-    return run_distributed(f"{THIS}:rank_train_modes", ep, tree, kwargs, timeout=600)
+def _train_modes(tree, dispatcher, backend, ep, tp=1):
+    kwargs = dict(dispatcher=dispatcher, backend=backend, ep=ep, recomputes=RECOMPUTE, tp=tp)
+    return run_distributed(f"{THIS}:rank_train_modes", ep * tp, tree, kwargs, timeout=600)
 
 
-def _train(tree, dispatcher, backend, ep, recompute, compile_=False, release=None):
+def _train(tree, dispatcher, backend, ep, recompute, compile_=False, release=None, tp=1):
     if not compile_ and release is None:
-        return [res[recompute] for res in _train_modes(tree, dispatcher, backend, ep)]
+        return [res[recompute] for res in _train_modes(tree, dispatcher, backend, ep, tp)]
     return _train_one(tree, dispatcher, backend, ep, recompute, compile_, release)
 
 
@@ -561,19 +576,93 @@ def _train_one(tree, dispatcher, backend, ep, recompute, compile_=False, release
 
 @needs_tree
 @pytest.mark.parametrize("recompute", RECOMPUTE)
-@pytest.mark.parametrize("dispatcher,backend,ep", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("dispatcher,backend,ep", _params(CONFIGS))
 def test_nothing_of_the_forward_outlives_backward(dispatcher, backend, ep, recompute):
     """After forward+backward through (checkpointed) MoE layers, no checkpoint input, its
     .grad, router probability, dispatch handle or dispatched probability is reachable, and
     the dispatchers hold 0 bytes of per-forward state."""
-    for rank, res in enumerate(_train(PATCHED_TREE, dispatcher, backend, ep, recompute)):
-        alive, recorded = res["alive"], res["alive"].pop("recorded")
+    _assert_released(dispatcher, _train(PATCHED_TREE, dispatcher, backend, ep, recompute))
+
+
+def _assert_released(dispatcher, results):
+    for rank, res in enumerate(results):
+        alive, recorded = dict(res["alive"]), res["alive"]["recorded"]
+        alive.pop("recorded")
         assert recorded["input"] > 0 and recorded["probs"] > 0
         if dispatcher == "flex":
             assert recorded["handle"] > 0 and recorded["dispatched_probs"] > 0
         assert alive == dict.fromkeys(alive, 0), f"rank {rank}: still reachable {alive}"
         assert res["held_bytes"] == [0] * NUM_LAYERS, f"rank {rank}: {res['held_bytes']}"
         assert res["probe_bytes"] == [0] * NUM_LAYERS, f"rank {rank}: {res['probe_bytes']}"
+
+
+def rank_dropless_streams(ep):
+    """One dropless all-to-all forward on the host stand-in for the DtoH side stream: which
+    stream the copies ran on, what it waited for, and what type the split sizes arrived as."""
+    import numpy as np
+
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    _setup(ep)
+    (layer,) = _build_layers("alltoall", "dropless", ep, num_layers=1)
+    disp = layer.token_dispatcher
+    stream = td.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream
+    stream.waited.clear()
+    layer(_input())
+    return {
+        "stream": type(stream).__name__,
+        "waited": [s.name for s in stream.waited],
+        "splits_numpy": all(
+            isinstance(getattr(disp, a), np.ndarray) for a in ("input_splits", "output_splits")
+        ),
+        "sync_point": disp.cuda_sync_point,
+    }
+
+
+@needs_tree
+def test_dropless_alltoall_runs_on_the_stream_stand_in():
+    """The dropless all-to-all path really takes the side-stream branch on CPU: the copies run
+    on a HostStream that waited for the default stream, and the split sizes arrive as numpy
+    arrays, as from a GPU."""
+    for res in run_distributed(f"{THIS}:rank_dropless_streams", 2, PATCHED_TREE, dict(ep=2)):
+        assert res["stream"] == "HostStream"
+        assert res["waited"] == ["default"]
+        assert res["splits_numpy"]
+        assert res["sync_point"] != "no_sync"
+
+
+@needs_tree
+@pytest.mark.parametrize("ep", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_dropless_alltoall_agrees_with_allgather(ep):
+    """The stand-in is faithful: the same layers on the dropless all-to-all path and on the
+    all-gather dispatcher give the same loss, outputs and gradients (up to summation order)."""
+    import torch
+
+    a2a = _train(PATCHED_TREE, "alltoall", "dropless", ep, "none")
+    ag = _train(PATCHED_TREE, "allgather", None, ep, "none")
+    for a, b in zip(a2a, ag):
+        assert torch.allclose(a["loss"], b["loss"], rtol=1e-5)
+        assert torch.allclose(a["output"], b["output"], rtol=1e-5, atol=1e-6)
+        for name in a["grads"]:
+            assert torch.allclose(a["grads"][name], b["grads"][name], rtol=1e-4, atol=1e-6), name
+
+
+# TP=2 x EP=2 with sequence parallel (4 ranks): the all-gather dispatcher gathers over TPxEP.
+TP_CONFIGS = [("allgather", None, 2)]
+
+
+@needs_base
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+@pytest.mark.parametrize(
+    "dispatcher,backend,ep", TP_CONFIGS, ids=[f"{d}-tp2-ep{e}" for d, _, e in TP_CONFIGS]
+)
+def test_tp2_sequence_parallel(dispatcher, backend, ep, recompute):
+    """With TP=2 and sequence parallel as well: nothing of the forward outlives backward, and
+    loss, outputs and gradients are bitwise those of the unpatched megatron-core."""
+    patched = _train(PATCHED_TREE, dispatcher, backend, ep, recompute, tp=2)
+    _assert_released(dispatcher, patched)
+    for p, b in zip(patched, _train(BASE_TREE, dispatcher, backend, ep, recompute, tp=2)):
+        _assert_bitwise(p, b)
 
 
 @needs_tree
@@ -598,7 +687,7 @@ def _assert_bitwise(a, b):
 
 @needs_base
 @pytest.mark.parametrize("recompute", RECOMPUTE)
-@pytest.mark.parametrize("dispatcher,backend,ep", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("dispatcher,backend,ep", _params(CONFIGS))
 def test_bitwise_equal_to_base(dispatcher, backend, ep, recompute):
     """Loss, outputs and every gradient are bitwise those of the unpatched megatron-core."""
     patched = _train(PATCHED_TREE, dispatcher, backend, ep, recompute)
@@ -628,9 +717,7 @@ EDGE_CONFIGS = [c for c in CONFIGS if c[2] <= 2]
 
 
 @needs_tree
-@pytest.mark.parametrize(
-    "dispatcher,backend,ep", EDGE_CONFIGS, ids=[f"{d}-{b}-ep{e}" for d, b, e in EDGE_CONFIGS]
-)
+@pytest.mark.parametrize("dispatcher,backend,ep", _params(EDGE_CONFIGS))
 def test_release_edge_cases(dispatcher, backend, ep):
     """Release before any dispatch, twice, and while two backwards are pending: gradients are
     unchanged (retain_graph repeated); the state afterwards deep-copies and pickles."""
@@ -649,7 +736,14 @@ def test_release_edge_cases(dispatcher, backend, ep):
 
 @needs_tree
 @pytest.mark.parametrize(
-    "dispatcher,backend,ep", [("flex", "hybridep", 1), ("flex", "deepep", 2), ("alltoall", None, 1)]
+    "dispatcher,backend,ep",
+    [
+        ("flex", "hybridep", 1),
+        ("flex", "deepep", 2),
+        ("alltoall", "pad", 1),
+        ("alltoall", "dropless", 2),
+        ("allgather", None, 2),
+    ],
 )
 def test_exception_mid_forward_pins_nothing(dispatcher, backend, ep):
     """An expert raising after dispatch leaves no probs, handle or input reachable."""
