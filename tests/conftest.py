@@ -1,9 +1,43 @@
-"""The tooling and the CPU runtime live under scripts/ (``patchtool``, ``cpu_runtime``, the report
-modules); tests import them from there, never the reverse."""
+"""Shared by every test directory.
 
+The tooling and the CPU runtime live under scripts/ (``patchtool``, ``cpu_runtime``, the report
+modules); tests import them from there, never the reverse.
+
+Under CI (``CI`` set, as the CI runner does) a skipped test fails the run: a skip there means
+the setup a test needs (the materialized trees, a venv) is missing, and a green run that
+executed none of the release tests would hide that.
+"""
+
+import os
 import sys
 from pathlib import Path
+
+import pytest
 
 SCRIPTS = str(Path(__file__).resolve().parents[1] / "scripts")
 if SCRIPTS not in sys.path:
     sys.path.insert(0, SCRIPTS)
+
+_SKIPPED: list = []
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped and not hasattr(report, "wasxfail"):
+        _SKIPPED.append(report.nodeid)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _SKIPPED and _in_ci() and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _SKIPPED and _in_ci():
+        terminalreporter.write_line(
+            f"CI: {len(_SKIPPED)} test(s) skipped, which fails the run (first: {_SKIPPED[0]})",
+            red=True,
+        )
