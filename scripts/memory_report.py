@@ -256,13 +256,23 @@ def ratio(a: Optional[int], b: Optional[int]) -> str:
     return "-" if not a or b is None else f"{b / a:.3f}"
 
 
+DISPATCHERS = ("flex", "alltoall", "allgather")
+
+
+def dispatcher_label(cfg: Dict[str, Any]) -> str:
+    """Which token dispatcher the configuration runs (the flex one with its backend)."""
+    dispatcher = cfg.get("dispatcher", "flex")
+    return f"flex/{cfg['backend']}" if dispatcher == "flex" else dispatcher
+
+
 def table(report: Dict[str, Any]) -> str:
     """The side-by-side table, one block per rank."""
     lines = []
     cfg = report["config"]
     lines.append(
         f"megatron-core {report['versions']['base']} vs {report['versions']['patched']}"
-        f" | GPTModel, {cfg['layers']} MoE layers, {cfg['experts']} experts top-{cfg['topk']},"
+        f" | GPTModel, {cfg['layers']} MoE layers ({dispatcher_label(cfg)} dispatcher),"
+        f" {cfg['experts']} experts top-{cfg['topk']},"
         f" hidden {cfg['hidden']}, {cfg['tokens']} tokens/rank, EP={WORLD},"
         f" full recompute, {cfg['steps']} steps"
         f"\nruns on: {Runtime(**report.get('runtime', asdict(CPU))).describe()}"
@@ -469,6 +479,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     parser.add_argument("--record-golden", metavar="PATH", help="write golden values to PATH")
     parser.add_argument(
+        "--dispatcher",
+        default="flex",
+        choices=DISPATCHERS,
+        help="MoE token dispatcher (default: flex; alltoall runs dropless)",
+    )
+    parser.add_argument(
+        "--backend",
+        default="hybridep",
+        choices=("hybridep", "deepep"),
+        help="flex dispatcher backend (default: hybridep)",
+    )
+    parser.add_argument(
         "--device",
         default="auto",
         choices=("auto", "cpu", "cuda"),
@@ -487,6 +509,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise ReportError(
                 "--record-golden: golden values hold CPU-allocator figures; add --device cpu"
             )
+        if args.record_golden and (args.dispatcher, args.backend) != ("flex", "hybridep"):
+            raise ReportError("--record-golden: golden values are for flex/hybridep")
+        if args.dispatcher != "flex" and args.backend != "hybridep":
+            raise ReportError(f"--backend {args.backend}: only the flex dispatcher has backends")
     except ReportError as exc:
         print(f"memory_report: {exc}", file=sys.stderr)
         return 2
@@ -502,6 +528,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfg = dict(GOLDEN_CONFIG)
     else:
         cfg = dict(QUICK if args.quick else MAIN)
+    cfg["backend"] = args.backend
+    if args.dispatcher != "flex":
+        cfg["dispatcher"] = args.dispatcher
     report: Dict[str, Any] = {
         "config": cfg,
         "versions": {

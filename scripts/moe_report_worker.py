@@ -126,6 +126,12 @@ def downsample(pts: List[Tuple[int, int]], t0: int, points: int) -> Dict[str, Li
     return {"t_ms": t_ms, "bytes": out}
 
 
+def _dispatcher_overrides(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """Config fields for a dispatcher other than the flex one (the harness's default)."""
+    dispatcher = cfg.get("dispatcher", "flex")
+    return {} if dispatcher == "flex" else {"moe_token_dispatcher_type": dispatcher}
+
+
 def build_model(cfg: Dict[str, Any]):
     """megatron-core GPTModel with MoE layers on the local spec, checkpointing every layer."""
     from megatron.core.models.gpt import GPTModel
@@ -150,6 +156,7 @@ def build_model(cfg: Dict[str, Any]):
         recompute_granularity="full",
         recompute_method="uniform",
         recompute_num_layers=1,
+        **_dispatcher_overrides(cfg),
         **cfg.get("config_overrides", {}),
     )
     spec = get_gpt_layer_local_spec(num_experts=cfg["experts"], moe_grouped_gemm=False)

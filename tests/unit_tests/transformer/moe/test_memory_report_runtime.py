@@ -71,6 +71,44 @@ def test_golden_values_are_recorded_on_cpu_only(tmp_path, capsys, monkeypatch):
     assert not golden.exists()
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--dispatcher", "allgather", "--backend", "deepep"], "only the flex dispatcher has"),
+        (["--dispatcher", "alltoall", "--record-golden", "g.json"], "are for flex/hybridep"),
+    ],
+)
+def test_dispatcher_refusals_write_nothing(tmp_path, capsys, monkeypatch, args, message):
+    monkeypatch.setattr(memory_report, "probe_machine", lambda: (0, None))
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "report"
+    assert memory_report.main([*args, "--out", str(out)]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists() and not (tmp_path / "g.json").exists()
+
+
+@pytest.mark.parametrize(
+    "cfg, overrides, label",
+    [
+        ({"backend": "hybridep"}, {}, "flex/hybridep"),
+        ({"backend": "deepep"}, {}, "flex/deepep"),
+        (
+            {"backend": "hybridep", "dispatcher": "allgather"},
+            {"moe_token_dispatcher_type": "allgather"},
+            "allgather",
+        ),
+        (
+            {"backend": "hybridep", "dispatcher": "alltoall"},
+            {"moe_token_dispatcher_type": "alltoall"},
+            "alltoall",
+        ),
+    ],
+)
+def test_dispatcher_choice_reaches_the_config(cfg, overrides, label):
+    assert moe_report_worker._dispatcher_overrides(cfg) == overrides
+    assert memory_report.dispatcher_label(cfg) == label
+
+
 def test_cuda_trace_points_follow_allocated_bytes():
     """Allocations count when made, frees when completed; segment events change nothing."""
     trace = [
