@@ -14,12 +14,15 @@ Each kind of help is as narrow as the spot it covers:
   base; patch 1 fixes both at the source), ``_HybridEPManager.over_budget`` allocated with
   ``device='cuda'`` and ``Router.gating`` moving host weights to
   ``torch.cuda.current_device()``.
-* :func:`install_dtoh_stream_cpu_shim` runs the all-to-all dispatcher's dropless path: a host
-  stand-in for its device-to-host side stream and events (:class:`HostStream`), with split
-  sizes arriving as numpy arrays as they do from a GPU.
+* :func:`install_dtoh_stream_cpu_shim` runs the all-to-all dispatcher's dropless path and the
+  shared-expert overlap: a host stand-in for their side streams and events
+  (:class:`HostStream`), with split sizes arriving as numpy arrays as they do from a GPU.
+* :func:`install_router_buffers_cpu_shim` and :func:`install_mtp_cpu_shim` let TopKRouter's
+  aux-loss buffers and multi-token prediction's loss tracker live on the host.
 * :func:`install_attention_cpu_shim` and :func:`install_tensor_parallel_cpu_shim` let
   GlobalMemoryBuffer and the tensor-parallel gathers/reduce-scatters, which allocate on
-  ``torch.cuda.current_device()``, allocate on the host.
+  ``torch.cuda.current_device()``, allocate on the host, and give the gathers/reduce-scatters
+  with uneven splits (NCCL takes them, gloo does not) a padded equivalent.
 """
 
 import contextlib
@@ -62,6 +65,7 @@ class _Proxy(types.ModuleType):
     def __init__(self, target, **overrides):
         super().__init__(getattr(target, "__name__", "proxy"))
         self.__dict__["_target"] = target
+        self.__dict__["_overrides"] = frozenset(overrides)
         self.__dict__.update(overrides)
 
     def __getattr__(self, name):
@@ -185,17 +189,67 @@ def install_attention_cpu_shim() -> bool:
     return True
 
 
+def _padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    out = t.new_zeros((rows, *t.shape[1:]))
+    out[: t.shape[0]] = t
+    return out
+
+
+def uneven_all_gather(tensor_list, tensor, group=None, async_op: bool = False):
+    """``torch.distributed.all_gather`` with per-rank sizes along dim 0, which NCCL accepts and
+    gloo does not: pad every part to the largest, gather, keep each rank's rows."""
+    import torch.distributed as dist
+
+    if all(t.shape == tensor.shape for t in tensor_list):
+        return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+    if async_op:
+        raise NotImplementedError("uneven all_gather stand-in is synchronous")
+    rows = max(t.shape[0] for t in tensor_list)
+    parts = [torch.empty_like(_padded_rows(tensor, rows)) for _ in tensor_list]
+    dist.all_gather(parts, _padded_rows(tensor, rows), group=group)
+    for out, part in zip(tensor_list, parts):
+        out.copy_(part[: out.shape[0]])
+    return None
+
+
+def uneven_reduce_scatter(output, input_list, op=None, group=None, async_op: bool = False):
+    """``torch.distributed.reduce_scatter`` with per-rank sizes along dim 0 (as NCCL accepts):
+    pad every part to the largest, reduce-scatter, keep this rank's rows."""
+    import torch.distributed as dist
+
+    op = dist.ReduceOp.SUM if op is None else op
+    if all(t.shape == output.shape for t in input_list):
+        return dist.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+    if async_op:
+        raise NotImplementedError("uneven reduce_scatter stand-in is synchronous")
+    rows = max(t.shape[0] for t in input_list)
+    reduced = torch.empty_like(_padded_rows(output, rows))
+    dist.reduce_scatter(reduced, [_padded_rows(t, rows) for t in input_list], op=op, group=group)
+    output.copy_(reduced[: output.shape[0]])
+    return None
+
+
 def install_tensor_parallel_cpu_shim() -> bool:
     """For tensor/sequence parallelism without CUDA: megatron's gathers and reduce-scatters
     (``tensor_parallel.mappings``) and its GlobalMemoryBuffer allocate their outputs on
-    ``torch.cuda.current_device()``; here they allocate on the host. Only the ``torch`` global
-    of ``mappings`` and ``GlobalMemoryBuffer.get_tensor`` see the stand-in. Idempotent; returns
-    whether it installed anything."""
+    ``torch.cuda.current_device()``; here they allocate on the host, and the list forms with
+    uneven splits go through :func:`uneven_all_gather`/:func:`uneven_reduce_scatter`. Only the
+    ``torch`` global of ``mappings`` and ``GlobalMemoryBuffer.get_tensor`` see the stand-ins.
+    Idempotent; returns whether it installed anything."""
     from megatron.core.tensor_parallel import mappings
 
     if torch.cuda.is_available() or getattr(mappings, "_moe_release_cpu", False):
         return False
-    mappings.torch = _Proxy(torch, cuda=_Proxy(torch.cuda, current_device=lambda: "cpu"))
+    mappings.torch = _Proxy(
+        torch,
+        cuda=_Proxy(torch.cuda, current_device=lambda: "cpu"),
+        # Uneven splits (the all-to-all dispatcher's TP gathers): NCCL takes them, gloo does not.
+        distributed=_Proxy(
+            torch.distributed,
+            all_gather=uneven_all_gather,
+            reduce_scatter=uneven_reduce_scatter,
+        ),
+    )
     mappings._moe_release_cpu = True
     install_attention_cpu_shim()
     return True
@@ -279,17 +333,9 @@ def host_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool 
 HOST_STREAMS = HostStreams()
 
 
-def install_dtoh_stream_cpu_shim() -> bool:
-    """The all-to-all dispatcher's dropless path on the host: its side stream for the
-    device-to-host copies of the split sizes (``torch.cuda.Stream``, ``current_stream``,
-    ``stream``, ``wait_stream``, ``record_event``) becomes :class:`HostStream`, and the copies
-    arrive as numpy arrays, as they do from a GPU. Only ``token_dispatcher``'s ``torch.cuda``
-    view and its ``maybe_move_tensor_to_cpu`` are replaced. Idempotent; returns whether it
-    installed anything."""
-    from megatron.core.transformer.moe import token_dispatcher
-
-    if torch.cuda.is_available() or getattr(token_dispatcher, "_moe_release_cpu_streams", False):
-        return False
+def dtoh_stream_torch() -> types.ModuleType:
+    """``torch`` as the all-to-all dispatcher sees it on the host: the real module, with the
+    stream calls of ``torch.cuda`` answered by :class:`HostStream` and :data:`HOST_STREAMS`."""
     cuda = _Proxy(
         torch.cuda,
         Stream=HostStream,
@@ -297,9 +343,70 @@ def install_dtoh_stream_cpu_shim() -> bool:
         current_stream=HOST_STREAMS.current_stream,
         stream=HOST_STREAMS.stream,
     )
-    token_dispatcher.torch = _Proxy(token_dispatcher.torch, cuda=cuda)
+    return _Proxy(torch, cuda=cuda)
+
+
+def stream_stand_in_of(module_torch) -> bool:
+    """Whether ``module_torch`` (a module's ``torch`` global) is the real torch seen through
+    :func:`install_dtoh_stream_cpu_shim`'s proxy, which overrides only the stream calls."""
+    cuda = getattr(module_torch, "__dict__", {}).get("cuda")
+    return (
+        isinstance(module_torch, _Proxy)
+        and module_torch._target is torch
+        and module_torch._overrides == {"cuda"}
+        and isinstance(cuda, _Proxy)
+        and cuda._target is torch.cuda
+        and cuda._overrides == {"Stream", "Event", "current_stream", "stream"}
+    )
+
+
+def install_mtp_cpu_shim() -> bool:
+    """Multi-token prediction's loss bookkeeping (``MTPLossLoggingHelper``) allocates its
+    tracker on ``torch.cuda.current_device()``; here on the host. Only the ``torch`` global of
+    ``multi_token_prediction`` changes, and only ``cuda.current_device``. Idempotent; returns
+    whether it installed anything."""
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    if torch.cuda.is_available() or getattr(mtp, "_moe_release_cpu", False):
+        return False
+    mtp.torch = _Proxy(torch, cuda=_Proxy(torch.cuda, current_device=lambda: "cpu"))
+    mtp._moe_release_cpu = True
+    return True
+
+
+def install_router_buffers_cpu_shim() -> bool:
+    """TopKRouter's constructor allocates its aux-loss and expert-bias buffers
+    (``global_tokens_per_expert``, ``ga_steps``, ``local_tokens_per_expert``, ...) on
+    ``torch.cuda.current_device()``; here they go to the host. Only ``router``'s ``torch``
+    global changes, and only while the constructor runs. Idempotent; returns whether it
+    installed anything."""
+    from megatron.core.transformer.moe import router
+
+    cls = router.TopKRouter
+    if torch.cuda.is_available() or cls.__dict__.get("_moe_release_cpu_buffers", False):
+        return False
+    _with_host_current_device(router, cls, "__init__")
+    cls._moe_release_cpu_buffers = True
+    return True
+
+
+def install_dtoh_stream_cpu_shim() -> bool:
+    """The all-to-all dispatcher's dropless path and the shared-expert overlap on the host:
+    their side streams (``torch.cuda.Stream``, ``current_stream``, ``stream``, ``wait_stream``,
+    ``record_event``) become :class:`HostStream`, and the dispatcher's device-to-host copies of
+    the split sizes arrive as numpy arrays, as they do from a GPU. Only the ``torch.cuda`` view
+    of ``token_dispatcher`` and ``shared_experts`` and the dispatcher's
+    ``maybe_move_tensor_to_cpu`` are replaced. Idempotent; returns whether it
+    installed anything."""
+    from megatron.core.transformer.moe import shared_experts, token_dispatcher
+
+    if torch.cuda.is_available() or getattr(token_dispatcher, "_moe_release_cpu_streams", False):
+        return False
+    token_dispatcher.torch = dtoh_stream_torch()
     token_dispatcher.maybe_move_tensor_to_cpu = host_move_tensor_to_cpu
     token_dispatcher._moe_release_cpu_streams = True
+    # The shared-expert overlap runs the shared experts on a side stream of its own.
+    shared_experts.torch = dtoh_stream_torch()
     return True
 
 

@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from cpu_runtime.compat import HostEvent, HostStream, HostStreams, host_move_tensor_to_cpu
+from cpu_runtime.compat import (
+    HostEvent,
+    HostStream,
+    HostStreams,
+    dtoh_stream_torch,
+    host_move_tensor_to_cpu,
+    stream_stand_in_of,
+)
 
 
 def test_stream_context_switches_and_restores():
@@ -55,3 +62,50 @@ def test_dtoh_copy_is_a_copy(as_numpy):
     assert host_move_tensor_to_cpu(None) is None
     arr = np.array([1, 2])
     assert host_move_tensor_to_cpu(arr, as_numpy=True) is arr
+
+
+def test_stream_proxy_overrides_only_the_stream_calls():
+    view = dtoh_stream_torch()
+    assert stream_stand_in_of(view) and not stream_stand_in_of(torch)
+    assert isinstance(view.cuda.Stream(), HostStream)
+    assert view.cuda.is_available is torch.cuda.is_available  # everything else is torch's
+    assert view.zeros is torch.zeros
+    wider = type(view)(torch, cuda=view.cuda, zeros=torch.ones)
+    assert not stream_stand_in_of(wider)
+
+
+def rank_uneven_collectives():
+    """Rank side: uneven all_gather/reduce_scatter against what NCCL would return."""
+    import torch.distributed as dist
+
+    from cpu_runtime.compat import uneven_all_gather, uneven_reduce_scatter
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sizes = [r + 1 for r in range(world)]  # rank r holds r + 1 rows
+
+    def rows(r, n, scale=1.0):
+        return torch.arange(n * 3, dtype=torch.float32).view(n, 3) * scale + 100 * r
+
+    parts = [torch.empty(n, 3) for n in sizes]
+    uneven_all_gather(parts, rows(rank, sizes[rank]))
+    gathered = all(torch.equal(p, rows(r, n)) for r, (p, n) in enumerate(zip(parts, sizes)))
+    # Every rank contributes rows(src, sizes[dst], src + 1) for each destination dst.
+    inputs = [rows(rank, n, rank + 1) for n in sizes]
+    out = torch.empty(sizes[rank], 3)
+    uneven_reduce_scatter(out, inputs)
+    want = sum(rows(src, sizes[rank], src + 1) for src in range(world))
+    even = torch.empty(2, 3)
+    uneven_all_gather([even, torch.empty(2, 3)], torch.full((2, 3), float(rank)))
+    return {"gathered": gathered, "reduced": torch.equal(out, want), "even": even.tolist()}
+
+
+def test_uneven_collectives_match_the_nccl_semantics():
+    from cpu_runtime.launcher import run_distributed
+
+    results = run_distributed(
+        "tests.unit_tests.test_cpu_compat:rank_uneven_collectives", 2, "/nonexistent",
+        emulate_deep_ep=False, timeout=120,
+    )  # fmt: skip
+    for res in results:
+        assert res["gathered"] and res["reduced"]
+        assert res["even"] == [[0.0] * 3] * 2
