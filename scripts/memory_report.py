@@ -272,7 +272,8 @@ def table(report: Dict[str, Any]) -> str:
     lines.append(
         f"megatron-core {report['versions']['base']} vs {report['versions']['patched']}"
         f" | GPTModel, {cfg['layers']} MoE layers ({dispatcher_label(cfg)} dispatcher),"
-        f" {cfg['experts']} experts top-{cfg['topk']},"
+        + (f" {cfg['mtp_layers']} MTP layer(s)," if cfg.get("mtp_layers") else "")
+        + f" {cfg['experts']} experts top-{cfg['topk']},"
         f" hidden {cfg['hidden']}, {cfg['tokens']} tokens/rank, EP={WORLD},"
         f" full recompute, {cfg['steps']} steps"
         f"\nruns on: {Runtime(**report.get('runtime', asdict(CPU))).describe()}"
@@ -485,6 +486,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="MoE token dispatcher (default: flex; alltoall runs dropless)",
     )
     parser.add_argument(
+        "--mtp-layers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="add N multi-token-prediction layers (each with its own MoE layer)",
+    )
+    parser.add_argument(
         "--backend",
         default="hybridep",
         choices=("hybridep", "deepep"),
@@ -509,8 +517,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise ReportError(
                 "--record-golden: golden values hold CPU-allocator figures; add --device cpu"
             )
-        if args.record_golden and (args.dispatcher, args.backend) != ("flex", "hybridep"):
-            raise ReportError("--record-golden: golden values are for flex/hybridep")
+        if args.record_golden and (args.dispatcher, args.backend, args.mtp_layers) != (
+            "flex",
+            "hybridep",
+            0,
+        ):
+            raise ReportError("--record-golden: golden values are for flex/hybridep, no MTP")
         if args.dispatcher != "flex" and args.backend != "hybridep":
             raise ReportError(f"--backend {args.backend}: only the flex dispatcher has backends")
     except ReportError as exc:
@@ -531,6 +543,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     cfg["backend"] = args.backend
     if args.dispatcher != "flex":
         cfg["dispatcher"] = args.dispatcher
+    if args.mtp_layers:
+        cfg["mtp_layers"] = args.mtp_layers
     report: Dict[str, Any] = {
         "config": cfg,
         "versions": {

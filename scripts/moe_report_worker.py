@@ -127,15 +127,22 @@ def downsample(pts: List[Tuple[int, int]], t0: int, points: int) -> Dict[str, Li
 
 
 def _dispatcher_overrides(cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """Config fields for a dispatcher other than the flex one (the harness's default)."""
+    """Config fields for a dispatcher other than the flex one (the harness's default) and for
+    multi-token prediction layers."""
     dispatcher = cfg.get("dispatcher", "flex")
-    return {} if dispatcher == "flex" else {"moe_token_dispatcher_type": dispatcher}
+    out = {} if dispatcher == "flex" else {"moe_token_dispatcher_type": dispatcher}
+    if cfg.get("mtp_layers"):
+        out["mtp_num_layers"] = cfg["mtp_layers"]
+    return out
 
 
 def build_model(cfg: Dict[str, Any]):
     """megatron-core GPTModel with MoE layers on the local spec, checkpointing every layer."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
 
     from cpu_runtime.moe_harness import moe_config
 
@@ -160,12 +167,17 @@ def build_model(cfg: Dict[str, Any]):
         **cfg.get("config_overrides", {}),
     )
     spec = get_gpt_layer_local_spec(num_experts=cfg["experts"], moe_grouped_gemm=False)
+    mtp_spec = None
+    if config.mtp_num_layers:
+        # Multi-token prediction: one more MoE layer per MTP depth, run after the decoder.
+        mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=cfg["vocab"],
         max_sequence_length=cfg["seq"],
         position_embedding_type="learned_absolute",
+        mtp_block_spec=mtp_spec,
     )
     return model.to(_device())
 
