@@ -20,7 +20,7 @@ started), on CUDA by the caching allocator's counters.
 
 import gc
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -222,10 +222,45 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _run_steps(cfg, model, opt, clock, mark, losses, norms, times) -> None:
+class ReleaseTimer:
+    """Wall time spent inside the dispatchers' release calls (``reset_transient_forward_state``,
+    where the tree has it), per step: the release's direct cost, measured in the patched run."""
+
+    def __init__(self, model):
+        from megatron.core.transformer.moe import moe_memory_probe as probe
+
+        self.elapsed = 0.0
+        self.calls = 0
+        self.active = False
+        for _, dispatcher in probe.find_moe_dispatchers(model):
+            release = getattr(dispatcher, "reset_transient_forward_state", None)
+            if release is not None:
+                dispatcher.reset_transient_forward_state = self._timed(release)
+                self.active = True
+
+    def _timed(self, release):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return release(*args, **kwargs)
+            finally:
+                self.elapsed += time.perf_counter() - t0
+                self.calls += 1
+
+        return timed
+
+    def take(self) -> Optional[float]:
+        """Seconds spent in release calls since the last take (None where there are none)."""
+        out, self.elapsed = self.elapsed, 0.0
+        return out if self.active else None
+
+
+def _run_steps(cfg, model, opt, clock, mark, losses, norms, times, releases=None) -> None:
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     last = cfg["steps"] - 1
+    timer = ReleaseTimer(model)
+    timer.take()
     for step in range(cfg["steps"]):
         tokens, pos, labels, mask = _batch(cfg, step)
         dist.barrier()
@@ -245,6 +280,8 @@ def _run_steps(cfg, model, opt, clock, mark, losses, norms, times) -> None:
         del loss
         _sync()
         times.append(time.perf_counter() - t0)
+        if releases is not None:
+            releases.append(timer.take())
         mark(f"step{step}:end")
         if clock and cfg.get("timeline") and step == last:
             clock.timeline_result = clock.timeline()
@@ -274,7 +311,8 @@ def train(cfg: Dict[str, Any]) -> Dict[str, Any]:
     model = build_model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     mark("built")
-    _run_steps(cfg, model, opt, clock, mark, losses, norms, times)
+    releases: List[Optional[float]] = []
+    _run_steps(cfg, model, opt, clock, mark, losses, norms, times, releases)
     gc.collect()
     mark("held")
     if clock:
@@ -297,7 +335,7 @@ def train(cfg: Dict[str, Any]) -> Dict[str, Any]:
         named = list(model.named_parameters())
         out["grads"] = {n: p.grad.detach().cpu().clone() for n, p in named if p.grad is not None}
         out["params"] = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
-    out.update(losses=losses, grad_norms=norms, step_times=times)
+    out.update(losses=losses, grad_norms=norms, step_times=times, release_times=releases)
     return out
 
 

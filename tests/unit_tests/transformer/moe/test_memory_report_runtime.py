@@ -195,3 +195,45 @@ def test_device_check_runs_the_report_end_to_end(tmp_path, base_tree, patched_tr
     assert report["runtime"] == {"device": "cpu", "kernels": "emulation", "backend": "gloo"}
     assert all(sum(r["dispatcher_held_bytes"]) == 0 for r in report["patched"])
     assert all(sum(r["dispatcher_held_bytes"]) > 0 for r in report["base"])
+
+
+def test_bootstrap_interval_brackets_the_ratio_and_is_reproducible():
+    base = [1.0, 1.1, 0.9, 1.05, 0.95, 1.0, 1.02, 0.98]
+    patched = [x * 1.5 for x in base]
+    lo, hi = memory_report.bootstrap_ratio_ci(base, patched)
+    assert lo <= 1.5 <= hi and hi - lo < 0.5
+    assert memory_report.bootstrap_ratio_ci(base, patched) == (lo, hi)
+    # Identical samples: the interval is centred on 1.
+    lo, hi = memory_report.bootstrap_ratio_ci(base, list(base))
+    assert lo < 1.0 < hi
+
+
+def test_release_timer_times_only_the_release_calls(patched_tree):
+    import time
+
+    import torch
+
+    class Dispatcher:
+        def __init__(self):
+            self.released = 0
+
+        def reset_transient_forward_state(self):
+            time.sleep(0.01)
+            self.released += 1
+
+    class Layer(torch.nn.Module):
+        def __init__(self, dispatcher):
+            super().__init__()
+            self.token_dispatcher = dispatcher
+
+    layer = Layer(Dispatcher())
+    timer = moe_report_worker.ReleaseTimer(torch.nn.Sequential(layer))
+    layer.token_dispatcher.reset_transient_forward_state()
+    layer.token_dispatcher.reset_transient_forward_state()
+    spent = timer.take()
+    assert layer.token_dispatcher.released == 2 and timer.calls == 2
+    assert 0.02 <= spent < 0.5
+    assert timer.take() == 0.0
+    # A tree without the release (the unpatched base) has nothing to time.
+    bare = moe_report_worker.ReleaseTimer(torch.nn.Sequential(Layer(object())))
+    assert bare.take() is None
