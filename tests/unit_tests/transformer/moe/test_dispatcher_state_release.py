@@ -447,7 +447,7 @@ def rank_exception(dispatcher, backend, ep):
     return {"alive": tracker.alive(), "held": held_state_bytes(layer.token_dispatcher)}
 
 
-def rank_cudagraph_replay(backend, ep):
+def rank_cudagraph_replay(dispatcher, backend, ep, variant=None):
     """Partial CUDA-graph flow on CPU: the attributes listed in ``cudagraph_attrs`` are read
     right after the preprocess (capture) and written back before dispatch (replay), after the
     previous forward's release. The result must equal the eager forward; and the automatic
@@ -457,7 +457,8 @@ def rank_cudagraph_replay(backend, ep):
     from megatron.core.transformer.moe import token_dispatcher as td
 
     _setup(ep)
-    (layer,) = _build_layers("flex", backend, ep, num_layers=1)
+    extra = dict(VARIANTS[variant]) if variant else {}
+    (layer,) = _build_layers(dispatcher, backend, ep, num_layers=1, **extra)
     disp = layer.token_dispatcher
     x = _input()
     with torch.no_grad():
@@ -473,8 +474,11 @@ def rank_cudagraph_replay(backend, ep):
                 captured[name] = obj
         disp.reset_transient_forward_state()  # what the previous forward's combine did
         for name, value in captured.items():
-            owner, leaf = name.rsplit(".", 1)
-            setattr(getattr(disp, owner), leaf, value)
+            owner = disp
+            *path, leaf = name.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            setattr(owner, leaf, value)
         out, _ = layer.dispatch(hidden, pp)
         out, _ = layer.routed_experts_compute(out, _)
         out = layer.postprocess(layer.combine(out), None)
@@ -482,10 +486,11 @@ def rank_cudagraph_replay(backend, ep):
     # While capturing, the release after combine is skipped. Only token_dispatcher's view of
     # torch.cuda claims a capture; the rest of megatron keeps seeing the real (absent) CUDA.
     calls = []
+    saved = td.torch  # torch as token_dispatcher sees it (the CPU runtime's stream view)
 
     class FakeCuda:
         def __getattr__(self, name):
-            return getattr(torch.cuda, name)
+            return getattr(saved.cuda, name)
 
         @staticmethod
         def is_available():
@@ -500,9 +505,8 @@ def rank_cudagraph_replay(backend, ep):
         cuda = FakeCuda()
 
         def __getattr__(self, name):
-            return getattr(torch, name)
+            return getattr(saved, name)
 
-    saved = td.torch
     try:
         td.torch = TorchView()
         with torch.no_grad():
@@ -871,14 +875,28 @@ def test_exception_mid_forward_pins_nothing(dispatcher, backend, ep):
         assert res["held"] == 0
 
 
+# NCCL-EP needs its library (absent on CPU); its manager's release is unit-tested below.
+CUDAGRAPH_CONFIGS = [
+    ("flex", "hybridep", 1, None),
+    ("flex", "deepep", 2, None),
+    ("flex", "hybridep", 2, "drop_and_pad"),
+    ("alltoall", "dropless", 2, None),
+    ("alltoall", "pad", 1, None),
+    ("allgather", None, 2, None),
+]
+
+
 @needs_tree
-@pytest.mark.parametrize("backend,ep", [("hybridep", 1), ("deepep", 2)])
-def test_cudagraph_attrs_survive_release(backend, ep):
+@pytest.mark.parametrize(
+    "dispatcher,backend,ep,variant",
+    CUDAGRAPH_CONFIGS,
+    ids=[f"{d}-{b}-ep{e}" + (f"-{v}" if v else "") for d, b, e, v in CUDAGRAPH_CONFIGS],
+)
+def test_cudagraph_attrs_survive_release(dispatcher, backend, ep, variant):
     """Capture reads cudagraph_attrs after preprocess and replay writes them back before
     dispatch; a release in between breaks neither. No release while a stream captures."""
-    for res in run_distributed(
-        f"{THIS}:rank_cudagraph_replay", ep, PATCHED_TREE, dict(backend=backend, ep=ep)
-    ):
+    kwargs = dict(dispatcher=dispatcher, backend=backend, ep=ep, variant=variant)
+    for res in run_distributed(f"{THIS}:rank_cudagraph_replay", ep, PATCHED_TREE, kwargs):
         assert res["equal"]
         assert res["captured"]
         assert res["capture_checked"]
