@@ -428,21 +428,33 @@ def _copyable_state(obj):
     }
 
 
-def rank_exception(dispatcher, backend, ep):
-    """An expert raising mid-forward leaves nothing pinned once the exception is gone."""
+def rank_exception(dispatcher, backend, ep, in_recompute=False):
+    """An expert raising mid-forward (or, with ``in_recompute``, in the recompute that
+    moe_layer_recompute runs during backward) leaves nothing pinned once the exception is
+    gone."""
     _setup(ep)
-    (layer,) = _build_layers(dispatcher, backend, ep, num_layers=1)
+    recompute = "moe_layer_recompute" if in_recompute else "none"
+    (layer,) = _build_layers(dispatcher, backend, ep, num_layers=1, recompute=recompute)
     tracker = _Tracker([layer])
+    calls = []
+    forward = layer.experts.forward
 
     def boom(*args, **kwargs):
+        calls.append(1)
+        if in_recompute and len(calls) == 1:
+            return forward(*args, **kwargs)
         raise RuntimeError("expert failed")
 
     layer.experts.forward = boom
     x = _input().requires_grad_()
     try:
-        layer(x)
+        out, _ = layer(x)
+        if in_recompute:
+            (out.float() ** 2).sum().backward()
+        raise AssertionError("the expert did not raise")
     except RuntimeError as exc:
         assert "expert failed" in str(exc)
+    out = None
     del x
     return {"alive": tracker.alive(), "held": held_state_bytes(layer.token_dispatcher)}
 
@@ -860,13 +872,15 @@ def test_release_edge_cases(dispatcher, backend, ep):
         ("allgather", None, 2),
     ],
 )
-def test_exception_mid_forward_pins_nothing(dispatcher, backend, ep):
-    """An expert raising after dispatch leaves no probs, handle or input reachable."""
+@pytest.mark.parametrize("in_recompute", [False, True], ids=["forward", "recompute"])
+def test_exception_mid_forward_pins_nothing(dispatcher, backend, ep, in_recompute):
+    """An expert raising after dispatch, in the forward or in the recompute during backward,
+    leaves no probs, handle or input reachable."""
     for res in run_distributed(
         f"{THIS}:rank_exception",
         ep,
         PATCHED_TREE,
-        dict(dispatcher=dispatcher, backend=backend, ep=ep),
+        dict(dispatcher=dispatcher, backend=backend, ep=ep, in_recompute=in_recompute),
     ):
         alive = res["alive"]
         recorded = alive.pop("recorded")
