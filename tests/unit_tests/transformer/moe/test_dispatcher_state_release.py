@@ -459,6 +459,20 @@ def rank_exception(dispatcher, backend, ep, in_recompute=False):
     return {"alive": tracker.alive(), "held": held_state_bytes(layer.token_dispatcher)}
 
 
+def rank_config_without_field():
+    """A TransformerConfig that lacks the release switch in its instance dict, as one
+    unpickled from an unpatched megatron-core does: the layer trains and releases."""
+    _setup(1)
+    (layer,) = _build_layers("flex", "hybridep", 1, num_layers=1)
+    configs = {id(c): c for c in (layer.config, layer.token_dispatcher.config)}
+    for config in configs.values():
+        config.__dict__.pop("moe_release_dispatcher_state_after_combine", None)
+    x = _input().requires_grad_()
+    out, _ = layer(x)
+    (out.float() ** 2).sum().backward()
+    return {"held": held_state_bytes(layer.token_dispatcher), "grad": x.grad is not None}
+
+
 def rank_cudagraph_replay(dispatcher, backend, ep, variant=None):
     """Partial CUDA-graph flow on CPU: the attributes listed in ``cudagraph_attrs`` are read
     right after the preprocess (capture) and written back before dispatch (replay), after the
@@ -887,6 +901,13 @@ def test_exception_mid_forward_pins_nothing(dispatcher, backend, ep, in_recomput
         assert recorded["probs"] > 0
         assert alive == dict.fromkeys(alive, 0), alive
         assert res["held"] == 0
+
+
+@needs_tree
+def test_config_without_the_field_still_releases():
+    """The switch is read with a default: a config lacking it trains and releases."""
+    (res,) = run_distributed(f"{THIS}:rank_config_without_field", 1, PATCHED_TREE)
+    assert res["grad"] and res["held"] == 0
 
 
 # NCCL-EP needs its library (absent on CPU); its manager's release is unit-tested below.
