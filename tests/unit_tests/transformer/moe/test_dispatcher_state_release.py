@@ -473,6 +473,57 @@ def rank_config_without_field():
     return {"held": held_state_bytes(layer.token_dispatcher), "grad": x.grad is not None}
 
 
+def rank_static_budget(ep, tokens=8):
+    """HybridEP's static per-rank budget (moe_expert_rank_capacity_factor) through
+    MoEFlexTokenDispatcher alone: the config requires the TE op fuser, whose fused experts need
+    TE, so a stand-in expert (rows scaled by their probs) sits between dispatch and combine.
+    Returns the output and input grad, the bytes the dispatcher holds afterwards, whether the
+    router-side tensors are still reachable, and whether over_budget survived."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.transformer.moe.moe_layer import get_default_pg_collection
+    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+
+    from cpu_runtime import moe_harness
+
+    _setup(ep)
+    config = moe_harness.moe_config(
+        "hybridep",
+        ep,
+        num_experts=4,
+        hidden=HIDDEN,
+        moe_expert_rank_capacity_factor=1.5,
+        use_transformer_engine_op_fuser=True,
+    )
+    local, rank = 4 // ep, dist.get_rank()
+    dispatcher = MoEFlexTokenDispatcher(
+        local, list(range(rank * local, (rank + 1) * local)), config, get_default_pg_collection()
+    )
+    g = torch.Generator().manual_seed(11 + rank)
+    logits = torch.randn(tokens, 4, generator=g)
+    top = logits.topk(2, dim=1).indices
+    routing_map = torch.zeros(tokens, 4, dtype=torch.bool).scatter(1, top, True)
+    probs = (torch.softmax(logits, -1) * routing_map).requires_grad_()
+    x = torch.randn(tokens, HIDDEN, generator=g).requires_grad_()
+    refs = [weakref.ref(probs), weakref.ref(x)]
+    hidden, p = dispatcher.dispatch_preprocess(x, routing_map, probs)
+    hidden, p = dispatcher.token_dispatch(hidden, p)
+    hidden, tokens_per_expert, p = dispatcher.dispatch_postprocess(hidden, p)
+    y = hidden * p.unsqueeze(-1).to(hidden.dtype)
+    y = dispatcher.combine_postprocess(dispatcher.token_combine(dispatcher.combine_preprocess(y)))
+    y.float().pow(2).sum().backward()
+    out = {"output": y.detach().clone(), "input_grad": x.grad.clone()}
+    del x, probs, hidden, p, y, tokens_per_expert
+    gc.collect()
+    manager = dispatcher._comm_manager
+    out.update(
+        held=held_state_bytes(dispatcher),
+        alive=sum(r() is not None for r in refs),
+        over_budget=torch.is_tensor(getattr(manager, "over_budget", None)),
+    )
+    return out
+
+
 def rank_cudagraph_replay(dispatcher, backend, ep, variant=None):
     """Partial CUDA-graph flow on CPU: the attributes listed in ``cudagraph_attrs`` are read
     right after the preprocess (capture) and written back before dispatch (replay), after the
@@ -753,8 +804,9 @@ def test_switch_off_keeps_the_old_behaviour():
 
 # (dispatcher, backend, EP, variant): each variant with each dispatcher it applies to, at EP2.
 # Not here: HybridEP's static budget (moe_expert_rank_capacity_factor) needs the TE op fuser
-# (0.19.2 validates it), whose 256-row alignment only TE's fused grouped MLP accepts; DeepEP
-# does not pad to capacity (0.19.2 refuses moe_pad_expert_input_to_capacity with it).
+# (0.19.2 validates it), whose 256-row alignment only TE's fused grouped MLP accepts, so it
+# runs through the dispatcher alone (test_hybridep_static_budget_releases); DeepEP does not pad
+# to capacity (0.19.2 refuses moe_pad_expert_input_to_capacity with it).
 VARIANT_CONFIGS = [
     ("flex", "hybridep", 2, "aux_losses"),
     ("flex", "deepep", 2, "aux_losses"),
@@ -908,6 +960,22 @@ def test_config_without_the_field_still_releases():
     """The switch is read with a default: a config lacking it trains and releases."""
     (res,) = run_distributed(f"{THIS}:rank_config_without_field", 1, PATCHED_TREE)
     assert res["grad"] and res["held"] == 0
+
+
+@needs_base
+def test_hybridep_static_budget_releases():
+    """HybridEP with the static budget (moe_expert_rank_capacity_factor): after combine and
+    backward the dispatcher holds nothing of the forward and pins neither the input nor the
+    probs; over_budget (persistent) stays; outputs and gradients equal the base's bitwise."""
+    import torch
+
+    patched = run_distributed(f"{THIS}:rank_static_budget", 2, PATCHED_TREE, dict(ep=2))
+    base = run_distributed(f"{THIS}:rank_static_budget", 2, BASE_TREE, dict(ep=2))
+    for p, b in zip(patched, base):
+        assert p["held"] == 0 and p["alive"] == 0, (p["held"], p["alive"])
+        assert p["over_budget"]
+        assert torch.equal(p["output"], b["output"])
+        assert torch.equal(p["input_grad"], b["input_grad"])
 
 
 # NCCL-EP needs its library (absent on CPU); its manager's release is unit-tested below.
