@@ -13,7 +13,7 @@ Two views, meant to be read together:
   allocator really gets back (``torch.cuda.memory_allocated`` on GPU, glibc ``mallinfo2`` on
   the host, where c10's CPU allocator allocates through malloc).
 
-Imports only torch and the standard library; safe to use from tests and reports.
+Imports only torch and the standard library; safe to use in tests and reports.
 """
 
 import ctypes
