@@ -169,7 +169,12 @@ def build_model(cfg: Dict[str, Any]):
     spec = get_gpt_layer_local_spec(num_experts=cfg["experts"], moe_grouped_gemm=False)
     mtp_spec = None
     if config.mtp_num_layers:
-        # Multi-token prediction: one more MoE layer per MTP depth, run after the decoder.
+        # Multi-token prediction: one more MoE layer per MTP depth, run after the decoder. Its
+        # stand-in is installed only here: importing the MTP module earlier moves an allocation
+        # out of the model's counted bytes, which would shift the golden figures.
+        from cpu_runtime.compat import install_mtp_cpu_shim
+
+        install_mtp_cpu_shim()
         mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
     model = GPTModel(
         config=config,

@@ -14,7 +14,6 @@ from cpu_runtime.compat import (
     install_base_tree_shims,
     install_cpu_rng_shim,
     install_dtoh_stream_cpu_shim,
-    install_mtp_cpu_shim,
     install_router_buffers_cpu_shim,
     install_tensor_parallel_cpu_shim,
 )
@@ -31,7 +30,6 @@ def init_megatron(ep: int, tp: int = 1, seed: int = 1234) -> Dict[str, object]:
     install_tensor_parallel_cpu_shim()
     install_dtoh_stream_cpu_shim()
     install_router_buffers_cpu_shim()
-    install_mtp_cpu_shim()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep
     )
