@@ -260,12 +260,11 @@ class ReleaseTimer:
         return out if self.active else None
 
 
-def _run_steps(cfg, model, opt, clock, mark, losses, norms, times, releases=None) -> None:
+def _run_steps(cfg, model, opt, clock, mark, losses, norms, times, releases) -> None:
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     last = cfg["steps"] - 1
     timer = ReleaseTimer(model)
-    timer.take()
     for step in range(cfg["steps"]):
         tokens, pos, labels, mask = _batch(cfg, step)
         dist.barrier()
@@ -285,8 +284,7 @@ def _run_steps(cfg, model, opt, clock, mark, losses, norms, times, releases=None
         del loss
         _sync()
         times.append(time.perf_counter() - t0)
-        if releases is not None:
-            releases.append(timer.take())
+        releases.append(timer.take())
         mark(f"step{step}:end")
         if clock and cfg.get("timeline") and step == last:
             clock.timeline_result = clock.timeline()

@@ -2,8 +2,8 @@
 
 """What the memory report and the tests need to run megatron-core's real MoE code without CUDA.
 
-* ``compat`` - stand-ins for CUDA-only calls (RNG, two device lookups on the pristine base) and
-  the loader of the overlay's ``deep_ep`` emulation
+* ``compat`` - stand-ins for CUDA-only calls (RNG, device lookups, side streams, uneven NCCL
+  collectives) and the loader of the overlay's ``deep_ep`` emulation
 * ``launcher`` - spawns real torch.distributed ranks (gloo) and collects their results
 * ``cpu_memory`` (+ ``cpu_memory_counter.cpp``) - allocator-level host memory counters
 * ``moe_harness`` - parallel state and small MoE configs/layers on the host

@@ -158,6 +158,11 @@ def install_base_tree_shims() -> list:
     return installed
 
 
+def _host_device_torch() -> types.ModuleType:
+    """``torch`` whose ``cuda.current_device()`` answers "cpu"; everything else is torch's."""
+    return _Proxy(torch, cuda=_Proxy(torch.cuda, current_device=lambda: "cpu"))
+
+
 def _with_host_current_device(module, cls, method: str) -> None:
     """Wrap ``cls.method`` so that, while it runs, ``module``'s ``torch.cuda.current_device()``
     answers "cpu" (only that module global is swapped, and restored afterwards)."""
@@ -166,7 +171,7 @@ def _with_host_current_device(module, cls, method: str) -> None:
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
         saved = module.torch
-        module.torch = _Proxy(torch, cuda=_Proxy(torch.cuda, current_device=lambda: "cpu"))
+        module.torch = _host_device_torch()
         try:
             return original(self, *args, **kwargs)
         finally:
@@ -242,7 +247,7 @@ def install_tensor_parallel_cpu_shim() -> bool:
         return False
     mappings.torch = _Proxy(
         torch,
-        cuda=_Proxy(torch.cuda, current_device=lambda: "cpu"),
+        cuda=_host_device_torch().cuda,
         # Uneven splits (the all-to-all dispatcher's TP gathers): NCCL takes them, gloo does not.
         distributed=_Proxy(
             torch.distributed,
@@ -369,7 +374,7 @@ def install_mtp_cpu_shim() -> bool:
 
     if torch.cuda.is_available() or getattr(mtp, "_moe_release_cpu", False):
         return False
-    mtp.torch = _Proxy(torch, cuda=_Proxy(torch.cuda, current_device=lambda: "cpu"))
+    mtp.torch = _host_device_torch()
     mtp._moe_release_cpu = True
     return True
 

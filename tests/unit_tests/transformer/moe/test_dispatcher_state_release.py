@@ -53,13 +53,17 @@ CONFIGS = [
 SLOW_CONFIGS = {("alltoall", "dropless", 4), ("allgather", None, 4)}
 
 
-def _params(configs):
+def _params(configs, slow=SLOW_CONFIGS, tp=False):
+    """pytest params of (dispatcher, backend, EP[, variant]) tuples: readable ids, and the slow
+    marker on those in ``slow``."""
+
+    def ident(c):
+        dispatcher, backend, ep, *variant = c
+        parts = [dispatcher, backend, "tp2" if tp else None, f"ep{ep}", *variant]
+        return "-".join(p for p in parts if p)
+
     return [
-        pytest.param(
-            *c,
-            id=f"{c[0]}-{c[1]}-ep{c[2]}" if c[1] else f"{c[0]}-ep{c[2]}",
-            marks=[pytest.mark.slow] if c in SLOW_CONFIGS else [],
-        )
+        pytest.param(*c, id=ident(c), marks=[pytest.mark.slow] if c in slow else [])
         for c in configs
     ]
 
@@ -784,15 +788,7 @@ TP_DEFAULT = ("allgather", None, 2)  # the others with -m slow
 @needs_base
 @pytest.mark.parametrize("recompute", RECOMPUTE)
 @pytest.mark.parametrize(
-    "dispatcher,backend,ep",
-    [
-        pytest.param(
-            *c,
-            id=f"{c[0]}-{c[1]}-tp2-ep{c[2]}",
-            marks=[] if c == TP_DEFAULT else [pytest.mark.slow],
-        )
-        for c in TP_CONFIGS
-    ],
+    "dispatcher,backend,ep", _params(TP_CONFIGS, slow=set(TP_CONFIGS) - {TP_DEFAULT}, tp=True)
 )
 def test_tp2_sequence_parallel(dispatcher, backend, ep, recompute):
     """With TP=2 and sequence parallel as well: nothing of the forward outlives backward, and
@@ -855,14 +851,7 @@ DEFAULT_VARIANTS = {
 @pytest.mark.parametrize("recompute", RECOMPUTE)
 @pytest.mark.parametrize(
     "dispatcher,backend,ep,variant",
-    [
-        pytest.param(
-            *c,
-            id=f"{c[0]}-{c[1]}-ep{c[2]}-{c[3]}" if c[1] else f"{c[0]}-ep{c[2]}-{c[3]}",
-            marks=[] if c in DEFAULT_VARIANTS else [pytest.mark.slow],
-        )
-        for c in VARIANT_CONFIGS
-    ],
+    _params(VARIANT_CONFIGS, slow=set(VARIANT_CONFIGS) - DEFAULT_VARIANTS),
 )
 def test_production_variants(dispatcher, backend, ep, variant, recompute):
     """Auxiliary losses, shared experts (with and without overlap), drop-and-pad and
@@ -1001,8 +990,7 @@ CUDAGRAPH_CONFIGS = [
 @needs_tree
 @pytest.mark.parametrize(
     "dispatcher,backend,ep,variant",
-    CUDAGRAPH_CONFIGS,
-    ids=[f"{d}-{b}-ep{e}" + (f"-{v}" if v else "") for d, b, e, v in CUDAGRAPH_CONFIGS],
+    _params(CUDAGRAPH_CONFIGS, slow=()),
 )
 def test_cudagraph_attrs_survive_release(dispatcher, backend, ep, variant):
     """Capture reads cudagraph_attrs after preprocess and replay writes them back before
