@@ -203,6 +203,39 @@ def attribute_layer(
     return report
 
 
+def reachable_storages(value, max_nodes: int = 100000) -> Dict[Tuple[str, int], int]:
+    """``{storage key: nbytes}`` of every storage reachable from ``value`` (a tensor, or
+    tuples/lists/dicts of them): the tensors themselves, their ``.grad``, and what their
+    autograd graphs save, walked as :func:`attribute_layer` walks a dispatcher's."""
+    found: Dict[Tuple[str, int], int] = {}
+    seen_nodes = set()
+    stack = []
+
+    def add(t: torch.Tensor) -> None:
+        if t.device.type == "meta":
+            return
+        found.setdefault(_storage_key(t), t.untyped_storage().nbytes())
+        if t.grad is not None:
+            found.setdefault(_storage_key(t.grad), t.grad.untyped_storage().nbytes())
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+
+    for _, t in _attr_tensors(value, "value", depth=1):
+        add(t)
+    while stack and len(seen_nodes) < max_nodes:
+        node = stack.pop()
+        if node is None or id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        for _, held in _node_tensors(node):
+            for _, t in _attr_tensors(held, "", depth=1):
+                add(t)
+        for next_node, _ in getattr(node, "next_functions", ()):
+            if next_node is not None:
+                stack.append(next_node)
+    return found
+
+
 def model_storage_keys(model: torch.nn.Module) -> set:
     """Storages of the model's parameters, their grads and buffers (not pinned by dispatchers)."""
     keys = set()
