@@ -25,16 +25,21 @@ Each kind of help is as narrow as the spot it covers:
   with uneven splits (NCCL takes them, gloo does not) a padded equivalent.
 """
 
-import contextlib
 import functools
 import importlib.util
 import inspect
 import sys
 import types
 from pathlib import Path
-from typing import Optional
 
 import torch
+
+from cpu_runtime.host_streams import (  # noqa: F401 (re-exported)
+    HOST_STREAMS,
+    HostEvent,
+    HostStream,
+    HostStreams,
+)
 
 EMULATION_MODULE = "megatron.core.transformer.moe.deep_ep_emulation"
 
@@ -260,72 +265,6 @@ def install_tensor_parallel_cpu_shim() -> bool:
     return True
 
 
-class HostEvent:
-    """Stand-in for ``torch.cuda.Event`` on the host: work is synchronous, so an event is
-    complete as soon as it is recorded."""
-
-    def __init__(self, stream: "HostStream"):
-        self.stream = stream
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-    def wait(self, stream: Optional["HostStream"] = None) -> None:
-        pass
-
-
-class HostStream:
-    """Stand-in for ``torch.cuda.Stream`` on the host: distinct streams compare unequal,
-    ``record_event`` returns a (completed) :class:`HostEvent` and ``wait_stream`` records the
-    dependency (``waited``) for tests to inspect."""
-
-    def __init__(self, priority: int = 0, name: str = "side"):
-        self.name = name
-        self.waited: list = []
-
-    def wait_stream(self, stream: "HostStream") -> None:
-        if not isinstance(stream, HostStream):
-            raise TypeError(f"wait_stream expects a stream, got {type(stream).__name__}")
-        self.waited.append(stream)
-
-    def record_event(self, event: Optional[HostEvent] = None) -> HostEvent:
-        return event or HostEvent(self)
-
-    def synchronize(self) -> None:
-        pass
-
-    def __repr__(self) -> str:
-        return f"HostStream({self.name})"
-
-
-class HostStreams:
-    """The current-stream bookkeeping of ``torch.cuda`` (``current_stream``, ``stream(...)``)
-    for :class:`HostStream`; one default stream per process, as on a device."""
-
-    def __init__(self):
-        self.default = HostStream(name="default")
-        self.current = self.default
-
-    def current_stream(self, device=None) -> HostStream:
-        return self.current
-
-    @contextlib.contextmanager
-    def stream(self, stream: Optional[HostStream]):
-        if stream is None:
-            yield
-            return
-        if not isinstance(stream, HostStream):
-            raise TypeError(f"stream() expects a stream, got {type(stream).__name__}")
-        saved, self.current = self.current, stream
-        try:
-            yield
-        finally:
-            self.current = saved
-
-
 def host_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
     """``moe_utils.maybe_move_tensor_to_cpu`` as it behaves on a GPU, for host tensors: the
     result is a copy (the device-to-host transfer), a numpy array when ``as_numpy``."""
@@ -333,9 +272,6 @@ def host_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool 
         return tensor
     out = tensor.detach().clone()
     return out.numpy() if as_numpy else out
-
-
-HOST_STREAMS = HostStreams()
 
 
 def dtoh_stream_torch() -> types.ModuleType:

@@ -7,6 +7,7 @@
 The patched tree goes first on ``sys.path`` here and on ``PYTHONPATH`` of every spawned rank.
 """
 
+import json
 import os
 import sys
 
@@ -57,7 +58,8 @@ def dist_job():
     cache = {}
 
     def run(target, world_size, tree, timeout=300.0, torch_compile=False, **kwargs):
-        key = (target, world_size, tree, torch_compile, tuple(sorted(kwargs.items())))
+        # JSON with sorted keys: kwargs may hold (nested) dicts.
+        key = (target, world_size, tree, torch_compile, json.dumps(kwargs, sort_keys=True))
         if key not in cache:
             try:
                 cache[key] = (

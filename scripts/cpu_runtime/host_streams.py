@@ -1,0 +1,159 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""Host stand-ins for CUDA streams and events, recording the order of stream operations.
+
+On a host every kernel runs synchronously, so a stream is only a name: work "on" it runs at
+once, an event is complete as soon as it is recorded and waiting for one returns. What a test
+can still check is *which* stream each operation was issued on and in what order, so every
+stand-in appends to :data:`HOST_STREAMS`'s ``ops`` log while ``HOST_STREAMS.recording`` is set:
+
+* ``("enter", stream)`` when ``torch.cuda.stream(s)`` makes ``s`` current,
+* ``("record", stream, event_id)`` / ``("wait", stream, event_id)`` for events,
+* ``("wait_stream", stream, other)``,
+* ``("record_stream", stream, storage_ptr, nbytes)`` for ``Tensor.record_stream(s)`` (the call
+  that keeps a tensor's memory from being reused before ``s`` is done with it).
+
+Streams appear in the log by name (``default``, ``comm``, ...).
+"""
+
+import contextlib
+import itertools
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+
+class HostStreams:
+    """The current-stream bookkeeping of ``torch.cuda`` (``current_stream``, ``stream(...)``)
+    for :class:`HostStream`; one default stream per process, as on a device."""
+
+    def __init__(self):
+        self.ops: List[Tuple] = []
+        self.recording = False
+        self.default = HostStream(name="default", streams=self)
+        self.current = self.default
+
+    def log(self, *op) -> None:
+        if self.recording:
+            self.ops.append(op)
+
+    def current_stream(self, device=None) -> "HostStream":
+        return self.current
+
+    @contextlib.contextmanager
+    def stream(self, stream: Optional["HostStream"]):
+        if stream is None:
+            yield
+            return
+        if not isinstance(stream, HostStream):
+            raise TypeError(f"stream() expects a stream, got {type(stream).__name__}")
+        saved, self.current = self.current, stream
+        self.log("enter", stream.name)
+        try:
+            yield
+        finally:
+            self.current = saved
+
+    @contextlib.contextmanager
+    def record(self):
+        """Log stream operations while the block runs; yields the (fresh) log."""
+        self.ops = []
+        saved, self.recording = self.recording, True
+        try:
+            yield self.ops
+        finally:
+            self.recording = saved
+
+
+class HostEvent:
+    """Stand-in for ``torch.cuda.Event`` on the host: complete as soon as it is recorded."""
+
+    _ids = itertools.count()
+
+    def __init__(self, stream: Optional["HostStream"] = None, **kwargs):
+        self.stream = stream
+        self.id = next(self._ids)
+
+    def record(self, stream: Optional["HostStream"] = None) -> None:
+        self.stream = stream or HOST_STREAMS.current
+        HOST_STREAMS.log("record", self.stream.name, self.id)
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Optional["HostStream"] = None) -> None:
+        HOST_STREAMS.log("wait", (stream or HOST_STREAMS.current).name, self.id)
+
+
+class HostStream:
+    """Stand-in for ``torch.cuda.Stream`` on the host: distinct streams compare unequal,
+    ``record_event`` returns a (completed) :class:`HostEvent` and ``wait_stream`` records the
+    dependency (``waited``) for tests to inspect."""
+
+    _names = itertools.count()
+
+    def __init__(self, device=None, priority: int = 0, name: Optional[str] = None, streams=None):
+        self.name = name or f"side{next(self._names)}"
+        self.priority = priority
+        self.waited: list = []
+        self._streams = streams
+
+    @staticmethod
+    def priority_range() -> Tuple[int, int]:
+        """(lowest, highest) priority, as CUDA reports them (lower number = higher)."""
+        return 0, -1
+
+    def _log(self, *op) -> None:
+        (self._streams or HOST_STREAMS).log(*op)
+
+    def wait_stream(self, stream: "HostStream") -> None:
+        if not isinstance(stream, HostStream):
+            raise TypeError(f"wait_stream expects a stream, got {type(stream).__name__}")
+        self.waited.append(stream)
+        self._log("wait_stream", self.name, stream.name)
+
+    def wait_event(self, event: HostEvent) -> None:
+        self._log("wait", self.name, event.id)
+
+    def record_event(self, event: Optional[HostEvent] = None) -> HostEvent:
+        event = event or HostEvent(self)
+        event.stream = self
+        self._log("record", self.name, event.id)
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"HostStream({self.name})"
+
+
+HOST_STREAMS = HostStreams()
+
+_REAL_RECORD_STREAM: Optional[Callable] = None
+
+
+def _record_stream(tensor: torch.Tensor, stream) -> None:
+    if isinstance(stream, HostStream):
+        storage = tensor.untyped_storage()
+        HOST_STREAMS.log("record_stream", stream.name, storage.data_ptr(), storage.nbytes())
+        return
+    _REAL_RECORD_STREAM(tensor, stream)
+
+
+def install_record_stream_stand_in() -> bool:
+    """``Tensor.record_stream(s)`` for a :class:`HostStream` ``s``: logged, nothing else (host
+    memory is reused only after Python drops it). Other streams reach torch's own method.
+    Idempotent; returns whether it installed anything."""
+    global _REAL_RECORD_STREAM
+    if _REAL_RECORD_STREAM is not None:
+        return False
+    _REAL_RECORD_STREAM = torch.Tensor.record_stream
+    torch.Tensor.record_stream = _record_stream
+    return True
