@@ -1,0 +1,94 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""The dispatchers' combine-time release records what it drops on the current stream.
+
+Under the 1F1B A2A overlap combine (and with it the release) runs on the communication stream,
+while much of what it drops was made on the compute stream. Every dispatcher's
+``reset_transient_forward_state`` must record each device tensor it drops (also inside a tuple
+such as a dispatch handle) on the current stream before dropping it. A host has no device
+tensors, so a tensor subclass that reports ``is_cuda`` stands in for one and logs
+``record_stream``; the stream is the CPU runtime's stand-in. Each check runs in a fresh
+interpreter on the patched tree and fails on the unpatched base (which has no release).
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from cpu_runtime.launcher import REPO_ROOT, SCRIPTS
+
+SETUP = """
+import torch
+from cpu_runtime.compat import install_dtoh_stream_cpu_shim
+from cpu_runtime.host_streams import HOST_STREAMS, HostStream
+from megatron.core.transformer.moe import token_dispatcher as td
+
+install_dtoh_stream_cpu_shim()  # the module's torch.cuda.current_stream: the host stand-in
+recorded = []
+
+class DeviceTensor(torch.Tensor):
+    @property
+    def is_cuda(self):
+        return True
+
+    def record_stream(self, stream):
+        recorded.append((id(self), stream.name))
+
+def device_tensor():
+    return torch.zeros(2).as_subclass(DeviceTensor)
+
+def check(obj, attrs):
+    tensors = {}
+    for attr in attrs:
+        t = device_tensor()
+        tensors[attr] = t
+        setattr(obj, attr, (t, None) if attr == "handle" else t)
+    host = torch.zeros(2)  # a host tensor is dropped without a record
+    with HOST_STREAMS.stream(HostStream(name="comm")):
+        obj.reset_transient_forward_state()
+    for attr, t in tensors.items():
+        assert getattr(obj, attr) is None, attr
+        assert (id(t), "comm") in recorded, f"{type(obj).__name__}.{attr} not recorded"
+    assert len(recorded) == len(tensors), recorded
+"""
+
+CASES = {
+    "allgather": """
+        d = object.__new__(td.MoEAllGatherTokenDispatcher)
+        check(d, ["routing_map", "local_map", "local_probs",
+                  "reversed_local_input_permutation_mapping"])
+        """,
+    "alltoall": """
+        d = object.__new__(td.MoEAlltoAllTokenDispatcher)
+        check(d, ["probs", "routing_map", "reversed_local_input_permutation_mapping",
+                  "tokens_per_expert", "num_out_tokens", "input_splits", "output_splits",
+                  "output_splits_tp", "num_global_tokens_per_local_expert"])
+        """,
+    "hybridep": """
+        m = object.__new__(td._HybridEPManager)
+        m.drop_and_pad = False
+        check(m, list(td._HybridEPManager._transient_forward_attrs)
+              + ["tokens_per_expert", "num_permuted_tokens"])
+        """,
+    "deepep": """
+        m = object.__new__(td._DeepepManager)
+        check(m, list(td._DeepepManager._transient_forward_attrs))
+        """,
+}
+
+
+def _run(tree: str, body: str) -> subprocess.CompletedProcess:
+    code = textwrap.dedent(SETUP) + textwrap.dedent(body)
+    env = {"PYTHONPATH": f"{tree}:{SCRIPTS}", "CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=str(REPO_ROOT), capture_output=True,
+        text=True, timeout=240,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_release_records_dropped_tensors_on_current_stream(patched_tree, case):
+    done = _run(patched_tree, CASES[case])
+    assert done.returncode == 0, done.stderr[-3000:]
