@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional, Tuple
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
+import overlap_section  # noqa: E402
 from patchtool.trees import ensure_trees  # noqa: E402
 from report_runtime import (  # noqa: E402
     CPU,
@@ -278,6 +279,8 @@ def table(report: Dict[str, Any]) -> str:
                 f"{b['held']:>14,} / {sum(b['dispatcher_held_bytes']):>9,}"
                 f"{p['held']:>14,} / {sum(p['dispatcher_held_bytes']):>9,}"
             )
+    if report.get("overlap"):
+        lines.append(overlap_section.table(report["overlap"]))
     lines += ["", "targets:"] + [f"  {k}: {v}" for k, v in report["targets"].items()]
     return "\n".join(lines)
 
@@ -303,6 +306,8 @@ def targets(report: Dict[str, Any]) -> Dict[str, str]:
             f"{wdrop:,} B vs other layers' retained state {others:,} B: "
             + ("met" if wdrop >= others else "NOT met")
         )
+    if report.get("overlap"):
+        out.update(overlap_section.targets(report["overlap"]))
     t = report["timing"]
     r = t["ratio"]
     ci = t.get("ratio_ci95")
@@ -326,7 +331,10 @@ def plot(report: Dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    overlap = report.get("overlap")
+    fig, axes = plt.subplots(1, 3 if overlap else 2, figsize=(19 if overlap else 13, 4.8))
+    if overlap:
+        overlap_section.plot(axes[2], overlap)
     ax = axes[0]
     for name, style in (("base", "-"), ("patched", "-")):
         tl = report["timeline"].get(name)
@@ -471,6 +479,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="flex dispatcher backend (default: hybridep)",
     )
     parser.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="skip the 1F1B A2A-overlap section (overlap_moe_expert_parallel_comm)",
+    )
+    parser.add_argument(
         "--device",
         default="auto",
         choices=("auto", "cpu", "cuda"),
@@ -536,6 +549,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             log(f"sweep: {name}, {len(points)} points")
             res = run(tree, "sweep", dict(cfg, points=points), runtime, timeout=1800)
             report["sweep"][name] = res[0]
+    if not (args.no_overlap or args.record_golden):
+        report["overlap"] = overlap_section.measure(base, patched, cfg, log=log)
     report["targets"] = targets(report)
     report["wall_s"] = round(time.monotonic() - started, 1)
     out = Path(args.out)
@@ -553,7 +568,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(golden_values(report, command), indent=2) + "\n")
         print(f"wrote golden values to {path}")
-    return 0 if report["bitwise"]["all"] else 1
+    overlap_ok = overlap_section.bitwise_ok(report["overlap"]) if "overlap" in report else True
+    return 0 if report["bitwise"]["all"] and overlap_ok else 1
 
 
 if __name__ == "__main__":

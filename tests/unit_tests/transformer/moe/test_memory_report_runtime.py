@@ -195,6 +195,19 @@ def test_device_check_runs_the_report_end_to_end(tmp_path, base_tree, patched_tr
     assert report["runtime"] == {"device": "cpu", "kernels": "emulation", "backend": "gloo"}
     assert all(sum(r["dispatcher_held_bytes"]) == 0 for r in report["patched"])
     assert all(sum(r["dispatcher_held_bytes"]) > 0 for r in report["base"])
+    # The 1F1B A2A-overlap section: megatron-core's overlap schedule, base vs patched.
+    assert "1F1B A2A overlap (overlap_moe_expert_parallel_comm" in text
+    assert "overlap on == overlap off (losses, all gradients, bitwise): yes" in text
+    overlap = report["overlap"]
+    assert overlap["bitwise_base_patched"]
+    for b, p in zip(overlap["base"], overlap["patched"]):
+        assert min(b["held_past_last_use"]) > 10_000 and b["chunk_state_bytes"] > 0
+        # Allocator level, within the counter's noise (gloo frees buffers asynchronously).
+        assert max(p["held_past_last_use"]) < 1024 and p["chunk_state_bytes"] == 0
+        # The peak's range over repeated runs (not compared: at --quick size the release's
+        # effect on the peak is within the runs' spread).
+        assert len(b["peak_range"]) == len(p["peak_range"]) == 2
+    assert len(overlap["timeline"]["base"]) > 10 and len(overlap["timeline"]["patched"]) > 10
 
 
 def test_bootstrap_interval_brackets_the_ratio_and_is_reproducible():

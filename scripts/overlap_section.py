@@ -1,0 +1,192 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""The memory report's 1F1B A2A-overlap section.
+
+The report's model with ``overlap_moe_expert_parallel_comm=True`` (bf16, as the overlap
+requires; no recompute, which it forbids), trained for one step of four microbatches through
+megatron-core's own combined-1F1B schedule (:mod:`cpu_runtime.a2a_overlap`), on the base and on
+the patched tree. Per tree, on CPU ranks:
+
+* measured: the counted allocator's peak over the step and its timeline, and what each layer's
+  schedule state still reaches when that layer's backward finishes (attributed, per holder);
+  repeated for the peak's range (gloo's threads free buffers asynchronously, so the peak of
+  identical runs differs by up to ~1%);
+* dropped: the same step, dropping each finished layer's holders at that moment; the allocator
+  bytes this frees are what the schedule held past last use;
+* reference: the same model and microbatches with the overlap off; losses and every parameter
+  gradient must be bitwise equal to the overlapped step's.
+"""
+
+from typing import Any, Dict, List
+
+from cpu_runtime.launcher import run_distributed
+
+WORLD = 2
+RUNNER = "cpu_runtime.a2a_overlap:overlap_run"
+
+
+def overlap_config(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """The overlap run's configuration, from the report's: three layers (an odd count: the
+    middle layer runs forward and backward in the same phase), four microbatches sharing the
+    report's tokens per rank."""
+    microbatches = 4
+    return dict(
+        {k: cfg[k] for k in ("hidden", "ffn", "heads", "experts", "topk", "vocab", "seed")},
+        dispatcher=cfg.get("dispatcher", "flex"),
+        backend=cfg["backend"],
+        layers=3,
+        seq=cfg["seq"],
+        mbs=max(cfg["tokens"] // cfg["seq"] // microbatches, 1),
+        microbatches=microbatches,
+    )
+
+
+def _equal(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+    import torch
+
+    return (
+        len(a["losses"]) == len(b["losses"])
+        and all(torch.equal(x, y) for x, y in zip(a["losses"], b["losses"]))
+        and a["grads"].keys() == b["grads"].keys()
+        and all(torch.equal(a["grads"][k], b["grads"][k]) for k in a["grads"])
+    )
+
+
+def held_past_last_use(layers: List[Dict[str, Any]], key: str = "dropped_bytes") -> List[int]:
+    """Per layer index, the largest figure over microbatches."""
+    out: Dict[int, int] = {}
+    for rec in layers:
+        value = rec[key] if key == "dropped_bytes" else sum(rec["bytes"].values())
+        out[rec["layer"]] = max(out.get(rec["layer"], 0), value)
+    return [out[i] for i in sorted(out)]
+
+
+def measure(
+    base: str, patched: str, cfg: Dict[str, Any], log=print, peak_runs: int = 3
+) -> Dict[str, Any]:
+    """Run the section on both trees; figures per rank."""
+    ocfg = overlap_config(cfg)
+    section: Dict[str, Any] = {"config": ocfg, "peak_runs": peak_runs}
+    for name, tree in (("base", base), ("patched", patched)):
+        log(f"overlap section: {name}")
+        measured = run_distributed(
+            RUNNER, WORLD, tree, {"cfg": dict(ocfg, overlap=True, measure=True, timeline=True)}
+        )
+        # The step's peak moves by up to ~1% between identical runs (gloo's worker threads
+        # free collective buffers asynchronously): repeat it and report the range.
+        peaks = [[r["peak_bytes"] for r in measured]]
+        for _ in range(peak_runs - 1):
+            again = run_distributed(
+                RUNNER, WORLD, tree, {"cfg": dict(ocfg, overlap=True, measure=True)}
+            )
+            peaks.append([r["peak_bytes"] for r in again])
+        dropped = run_distributed(
+            RUNNER, WORLD, tree, {"cfg": dict(ocfg, overlap=True, measure=True, drop=True)}
+        )
+        reference = run_distributed(RUNNER, WORLD, tree, {"cfg": dict(ocfg, overlap=False)})
+        section[name] = [
+            {
+                "peak_bytes": m["peak_bytes"],
+                "peak_range": [min(p[rank] for p in peaks), max(p[rank] for p in peaks)],
+                "held_past_last_use": held_past_last_use(d["layers"]),
+                "held_per_microbatch": [
+                    [r["dropped_bytes"] for r in d["layers"] if r["microbatch"] == mb]
+                    for mb in range(ocfg["microbatches"])
+                ],
+                "attributed": held_past_last_use(m["layers"], key="bytes"),
+                "attributed_by_holder": _by_holder(m["layers"]),
+                "chunk_state_bytes": max(sum(c["bytes"].values()) for c in m["chunks"]),
+                "bitwise_equal_to_no_overlap": _equal(m, reference[rank]),
+            }
+            for rank, (m, d) in enumerate(zip(measured, dropped))
+        ]
+        section.setdefault("timeline", {})[name] = measured[0]["timeline"]
+        section.setdefault("losses", {})[name] = [float(x) for x in measured[0]["losses"]]
+    section["bitwise_base_patched"] = all(
+        x == y for x, y in zip(section["losses"]["base"], section["losses"]["patched"])
+    )
+    return section
+
+
+def _by_holder(layers: List[Dict[str, Any]]) -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    for rec in layers:
+        for holder, n in rec["bytes"].items():
+            out[holder] = max(out.get(holder, 0), n)
+    return out
+
+
+def table(section: Dict[str, Any]) -> str:
+    """The section's lines for the report's table."""
+    c = section["config"]
+    lines = [
+        "",
+        f"1F1B A2A overlap (overlap_moe_expert_parallel_comm, {c['layers']} MoE layers, bf16,"
+        f" {c['microbatches']} microbatches of {c['mbs']}x{c['seq']} tokens, no recompute;"
+        " megatron-core's combined-1F1B schedule on CPU ranks)",
+    ]
+    head = f"{'':34}{'base':>16}{'patched':>16}"
+    for rank, (b, p) in enumerate(zip(section["base"], section["patched"])):
+        lines += [f"rank {rank} (bytes)", head]
+        runs = section["peak_runs"]
+        for label, i in ((f"step peak, min of {runs} runs", 0), ("step peak, max", 1)):
+            lines.append(f"{label:34}{b['peak_range'][i]:>16,}{p['peak_range'][i]:>16,}")
+        for i, (x, y) in enumerate(zip(b["held_past_last_use"], p["held_past_last_use"])):
+            label = f"held past last use, layer {i}"
+            lines.append(f"{label:34}{x:>16,}{y:>16,}")
+        lines.append(
+            f"{'chunk state after its backward':34}"
+            f"{b['chunk_state_bytes']:>16,}{p['chunk_state_bytes']:>16,}"
+        )
+        for holder, n in b["attributed_by_holder"].items():
+            m = p["attributed_by_holder"].get(holder, 0)
+            lines.append(f"{'  ' + holder:34}{n:>16,}{m:>16,}")
+        both = b["bitwise_equal_to_no_overlap"] and p["bitwise_equal_to_no_overlap"]
+        eq = "yes" if both else "NO"
+        lines.append(f"  overlap on == overlap off (losses, all gradients, bitwise): {eq}")
+    lines.append(
+        "  (held past last use: allocator bytes freed by dropping a layer's schedule state the"
+        " moment its backward finishes, largest over microbatches; per holder: bytes its"
+        " references reach, autograd graph included)"
+    )
+    return "\n".join(lines)
+
+
+def bitwise_ok(section: Dict[str, Any]) -> bool:
+    """Overlap on == overlap off on both trees, and base == patched."""
+    runs = section["base"] + section["patched"]
+    return section["bitwise_base_patched"] and all(r["bitwise_equal_to_no_overlap"] for r in runs)
+
+
+def targets(section: Dict[str, Any]) -> Dict[str, str]:
+    """The overlap section's targets, measured."""
+    out = {}
+    for rank, (b, p) in enumerate(zip(section["base"], section["patched"])):
+        held = sum(p["held_past_last_use"]) + p["chunk_state_bytes"]
+        out[f"overlap rank {rank} patched held past last use"] = (
+            f"{held:,} B (target 0; base {sum(b['held_past_last_use']):,} B): "
+            + ("met" if held == 0 else "NOT met")
+        )
+        (blo, bhi), (plo, phi) = b["peak_range"], p["peak_range"]
+        verdict = "met" if phi <= blo else "NOT met" if plo > bhi else "within noise"
+        out[f"overlap rank {rank} step peak"] = (
+            f"base {blo:,}-{bhi:,} B, patched {plo:,}-{phi:,} B (target: not above base): "
+            + verdict
+        )
+    ok = bitwise_ok(section)
+    out["overlap bitwise (on == off, base == patched)"] = "met" if ok else "NOT met"
+    return out
+
+
+def plot(ax, section: Dict[str, Any]) -> None:
+    """The step's live bytes over time, base vs patched (rank 0)."""
+    for name in ("base", "patched"):
+        pts = section["timeline"].get(name) or []
+        if not pts:
+            continue
+        end = pts[-1][0] or 1
+        ax.plot([t / end for t, _ in pts], [v / 2**20 for _, v in pts], label=name)
+    ax.set_title("rank 0: live bytes during the overlapped step")
+    ax.set_xlabel("fraction of the step")
+    ax.set_ylabel("MiB above the step's start")
+    ax.legend()
