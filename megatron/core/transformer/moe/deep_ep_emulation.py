@@ -29,6 +29,7 @@ collectives over a gloo group stage non-CPU tensors through host memory.
 """
 
 import importlib.util
+import os
 import sys
 import types
 from dataclasses import dataclass
@@ -65,6 +66,32 @@ class EventOverlap:
 
     def __exit__(self, *exc) -> None:
         return None
+
+
+def _buffer_device() -> torch.device:
+    """Where a communication buffer lives: the current GPU, else the host."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def hybrid_ep_buffer_bytes(
+    max_num_of_tokens_per_rank: int,
+    hidden_dim: int,
+    num_local_experts: int,
+    num_of_ranks: int,
+) -> int:
+    """Bytes of HybridEP's intranode buffer, as DeepEP's hybrid-ep sizes it: rows per rank are
+    ``max(tokens, 512)`` rounded up to the combine chunk (``NUM_OF_TOKENS_PER_CHUNK_COMBINE_API``,
+    default 64); for ``N`` = rows x ranks and ``E`` = the group's expert columns it holds BF16
+    tokens ``N*2H``, FP32 probabilities ``N*4E``, a routing-map byte per expert column ``N*E``
+    and FP32 scaling factors ``N*4*ceil(H/128)`` (allocated even without FP8); dispatch outputs
+    alias the combine inputs. (T=1000, 2 ranks, H=2048, E=256: 11,141,120 bytes.)"""
+    chunk = int(os.environ.get("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", "64"))
+    rows = -(-max(max_num_of_tokens_per_rank, 512) // chunk) * chunk
+    n = rows * num_of_ranks
+    e = num_local_experts * num_of_ranks
+    return n * (2 * hidden_dim + 5 * e + 4 * -(-hidden_dim // 128))
 
 
 def _group_size(group) -> int:
@@ -160,6 +187,10 @@ class HybridEPBuffer:
 
     ``row_id_map[P, 2]`` holds, for every output row, the received-token index and the local
     expert, or ``-1`` for padding.
+
+    The real buffer is allocated outside PyTorch's allocator; the emulation allocates the same
+    number of bytes (:func:`hybrid_ep_buffer_bytes`) as one tensor (``memory``), so allocator
+    counts see it live and die with the buffer object.
     """
 
     def __init__(
@@ -193,6 +224,10 @@ class HybridEPBuffer:
         self.num_sms_preprocessing_api = num_sms_preprocessing_api
         self.num_blocks_permute = num_blocks_permute
         self.num_blocks_unpermute = num_blocks_unpermute
+        self.nbytes = hybrid_ep_buffer_bytes(
+            max_num_of_tokens_per_rank, hidden_dim, num_local_experts, self.group_size
+        )
+        self.memory = torch.empty(self.nbytes, dtype=torch.uint8, device=_buffer_device())
 
     def _preprocess(
         self,
@@ -416,7 +451,7 @@ class Config:
         self.chunk_sizes = chunk_sizes
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Size the emulation reports; nothing is preallocated on the host."""
+        """NVLink buffer bytes: room for 4096 tokens from each rank."""
         return hidden_bytes * num_ranks * 4096
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
@@ -430,6 +465,10 @@ class Buffer:
     The dispatch handle is ``(rank_prefix_matrix, send_counts, recv_counts, recv_src_idx,
     is_token_in_rank, send_token_ids)``; ``recv_src_idx`` is the source-rank token index of every
     received row.
+
+    The real NVLink/RDMA buffers live outside PyTorch's allocator; the emulation allocates
+    ``num_nvl_bytes + num_rdma_bytes`` (sized by the :class:`Config` hints, as megatron-core's
+    ``get_buffer`` asks) as one tensor (``memory``), so allocator counts see them.
     """
 
     num_sms: int = 20
@@ -451,6 +490,9 @@ class Buffer:
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
+        self.memory = torch.empty(
+            num_nvl_bytes + num_rdma_bytes, dtype=torch.uint8, device=_buffer_device()
+        )
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:

@@ -103,3 +103,20 @@ def test_install_refuses_after_megatron_bound_the_kernels(emulation, monkeypatch
 def test_loading_the_emulation_does_not_import_megatron(emulation):
     assert emulation.IS_CPU_EMULATION
     assert "deep_ep" not in sys.modules
+
+
+def test_buffers_allocate_their_documented_size(patched_tree, monkeypatch):
+    """The emulated buffers hold their real size in one counted tensor: HybridEP's by DeepEP's
+    hybrid-ep rule (rows padded to max(T, 512) and the combine chunk; tokens, probs, routing
+    map, scaling factors), DeepEP's as the NVLink + RDMA bytes megatron-core asks for."""
+    emu = load_deep_ep_emulation(patched_tree)
+    # The rule's worked example: T=1000 -> 1024 rows, group 2, H=2048, E=256 expert columns.
+    assert emu.hybrid_ep_buffer_bytes(1000, 2048, 128, 2) == 11_141_120
+    assert emu.hybrid_ep_buffer_bytes(1, 64, 4, 2) == emu.hybrid_ep_buffer_bytes(512, 64, 4, 2)
+    assert emu.hybrid_ep_buffer_bytes(513, 64, 4, 1) == 576 * (128 + 20 + 4)
+    monkeypatch.setenv("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", "128")
+    assert emu.hybrid_ep_buffer_bytes(513, 64, 4, 1) == 640 * (128 + 20 + 4)
+    monkeypatch.delenv("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API")
+    buf = emu.HybridEPBuffer(None, 64, 100, 4)
+    assert buf.memory.nbytes == buf.nbytes == emu.hybrid_ep_buffer_bytes(100, 64, 4, 1)
+    assert emu.Buffer(None, 4096, 1024).memory.nbytes == 5120
