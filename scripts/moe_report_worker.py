@@ -332,6 +332,7 @@ def train(cfg: Dict[str, Any]) -> Dict[str, Any]:
         out["marks"] = dict(marks)
         held = [marks["held"]] + [marks[f"released{i}"] for i in range(len(layers))]
         out["dispatcher_held_bytes"] = [held[i] - held[i + 1] for i in range(len(layers))]
+        out["comm_buffers"] = comm_buffer_release(clock)
         if cfg.get("timeline"):
             out["timeline"] = clock.timeline_result
     if cfg.get("grads"):
@@ -339,6 +340,42 @@ def train(cfg: Dict[str, Any]) -> Dict[str, Any]:
         out["grads"] = {n: p.grad.detach().cpu().clone() for n, p in named if p.grad is not None}
         out["params"] = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     out.update(losses=losses, grad_norms=norms, step_times=times, release_times=releases)
+    return out
+
+
+def comm_buffer_release(clock) -> Dict[str, Any]:
+    """The flex dispatcher's communication buffers before and after ``release_comm_buffers()``
+    (where the tree has it): the bytes the emulation allocates for them (counted by the
+    allocator), and on a GPU the device memory outside the caching allocator that the release
+    returns (``mem_get_info``), which is where the real deep_ep buffers live."""
+    from megatron.core.transformer.moe import fused_a2a
+
+    buffers = [b for b in (fused_a2a._hybrid_ep_buffer, fused_a2a._buffer) if b is not None]
+    emulated = [
+        b.memory.nbytes for b in buffers if isinstance(getattr(b, "memory", None), torch.Tensor)
+    ]
+    out: Dict[str, Any] = {"buffers": len(buffers), "emulated_bytes": sum(emulated)}
+    release = getattr(fused_a2a, "release_comm_buffers", None)
+    if release is None:
+        out.update(allocator_bytes_released=None, device_bytes_released=None)
+        return out
+    del buffers
+    cuda = clock.device.type == "cuda"
+    gc.collect()
+    _sync()
+    before = clock.mem.memory_allocated()
+    free_before = torch.cuda.mem_get_info(clock.device)[0] if cuda else None
+    release()
+    gc.collect()
+    _sync()
+    out["allocator_bytes_released"] = before - clock.mem.memory_allocated()
+    if cuda:
+        # Device memory returned outside the caching allocator (what the allocator itself
+        # returned is in allocator_bytes_released; cached blocks stay reserved).
+        freed = torch.cuda.mem_get_info(clock.device)[0] - free_before
+        out["device_bytes_released"] = freed
+    else:
+        out["device_bytes_released"] = None
     return out
 
 
