@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional, Tuple
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
+import buffer_section  # noqa: E402
 import overlap_section  # noqa: E402
 from patchtool.trees import ensure_trees  # noqa: E402
 from report_runtime import (  # noqa: E402
@@ -140,6 +141,7 @@ def summarize(res: Dict[str, Any]) -> Dict[str, Any]:
         "dispatcher_held_bytes": res["dispatcher_held_bytes"],
         "dispatcher_attribution": res["attribution"],
         "comm_buffers": res.get("comm_buffers"),
+        "per_call_bytes": res.get("per_call_bytes"),
         "losses": res["losses"],
         "grad_norms": res["grad_norms"],
     }
@@ -246,7 +248,8 @@ def table(report: Dict[str, Any]) -> str:
             lines.append(f"{label:34}{cells}")
         for i, (x, y) in enumerate(zip(b["dispatcher_held_bytes"], p["dispatcher_held_bytes"])):
             lines.append(f"{'dispatcher-held, MoE layer ' + str(i):34}{x:>16,}{y:>16,}{'':>14}")
-        lines += comm_buffer_lines(b.get("comm_buffers"), p.get("comm_buffers"))
+        lines += buffer_section.comm_buffer_lines(b.get("comm_buffers"), p.get("comm_buffers"))
+        lines += buffer_section.hybridep_accounting_lines(cfg, p, WORLD)
     t = report["timing"]
     lines += [
         "",
@@ -285,24 +288,6 @@ def table(report: Dict[str, Any]) -> str:
         lines.append(overlap_section.table(report["overlap"]))
     lines += ["", "targets:"] + [f"  {k}: {v}" for k, v in report["targets"].items()]
     return "\n".join(lines)
-
-
-def comm_buffer_lines(b: Optional[Dict[str, Any]], p: Optional[Dict[str, Any]]) -> List[str]:
-    """Rows for the flex dispatcher's communication buffers and what releasing them returns."""
-    if not b or not p:
-        return []
-
-    def cell(d: Dict[str, Any], key: str) -> str:
-        v = d.get(key)
-        return "n/a" if v is None else f"{v:,}"
-
-    rows = [
-        ("comm buffers (emulated bytes)", "emulated_bytes"),
-        ("  returned by release_comm_buffers", "allocator_bytes_released"),
-    ]
-    if p.get("device_bytes_released") is not None:
-        rows.append(("  device memory outside allocator", "device_bytes_released"))
-    return [f"{label:34}{cell(b, key):>16}{cell(p, key):>16}{'':>14}" for label, key in rows]
 
 
 def targets(report: Dict[str, Any]) -> Dict[str, str]:

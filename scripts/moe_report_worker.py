@@ -260,6 +260,43 @@ class ReleaseTimer:
         return out if self.active else None
 
 
+class DispatchSizes:
+    """The largest allocator bytes of one HybridEP dispatch's and combine's outputs over the
+    run: the measured per-call figures the HybridEP accounting predicts. Wraps (and on
+    :meth:`close` restores) the dispatcher module's ``hybrid_ep_dispatch``/``_combine``."""
+
+    KEYS = {"hybrid_ep_dispatch": ("dispatch_tokens", "dispatch_probs"),
+            "hybrid_ep_combine": ("combine_output",)}  # fmt: skip
+
+    def __init__(self):
+        from megatron.core.transformer.moe import token_dispatcher
+
+        self.module = token_dispatcher
+        self.max: Dict[str, int] = {}
+        self.saved = {}
+        for name in self.KEYS:
+            fn = getattr(token_dispatcher, name, None)
+            if fn is not None:
+                self.saved[name] = fn
+                setattr(token_dispatcher, name, self._wrap(name, fn))
+
+    def _wrap(self, name, fn):
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            values = out if isinstance(out, tuple) else (out,)
+            for key, t in zip(self.KEYS[name], values):
+                if isinstance(t, torch.Tensor):
+                    self.max[key] = max(self.max.get(key, 0), t.numel() * t.element_size())
+            return out
+
+        return wrapped
+
+    def close(self) -> Dict[str, int]:
+        for name, fn in self.saved.items():
+            setattr(self.module, name, fn)
+        return dict(self.max)
+
+
 def _run_steps(cfg, model, opt, clock, mark, losses, norms, times, releases) -> None:
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
@@ -315,7 +352,12 @@ def train(cfg: Dict[str, Any]) -> Dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     mark("built")
     releases: List[Optional[float]] = []
-    _run_steps(cfg, model, opt, clock, mark, losses, norms, times, releases)
+    sizes = DispatchSizes() if cfg["measure"] else None
+    try:
+        _run_steps(cfg, model, opt, clock, mark, losses, norms, times, releases)
+    finally:
+        if sizes is not None:
+            out["per_call_bytes"] = sizes.close()
     gc.collect()
     mark("held")
     if clock:

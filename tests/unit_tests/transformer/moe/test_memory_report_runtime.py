@@ -202,6 +202,8 @@ def test_device_check_runs_the_report_end_to_end(tmp_path, base_tree, patched_tr
         assert b["comm_buffers"]["allocator_bytes_released"] is None
         assert p["comm_buffers"]["emulated_bytes"] > 0
         assert p["comm_buffers"]["allocator_bytes_released"] == p["comm_buffers"]["emulated_bytes"]
+    # The HybridEP accounting's prediction beside the measurement (buffer and one call).
+    assert "HybridEP accounting" in text and "combine_output (max call)" in text
     # The 1F1B A2A-overlap section: megatron-core's overlap schedule, base vs patched.
     assert "1F1B A2A overlap (overlap_moe_expert_parallel_comm" in text
     assert "overlap on == overlap off (losses, all gradients, bitwise): yes" in text
