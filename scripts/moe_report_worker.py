@@ -144,22 +144,13 @@ def build_model(cfg: Dict[str, Any]):
         get_gpt_mtp_block_spec,
     )
 
-    from cpu_runtime.moe_harness import moe_config
+    from cpu_runtime.moe_harness import gpt_moe_config
 
-    config = moe_config(
-        cfg["backend"],
+    config = gpt_moe_config(
+        cfg,
         dist.get_world_size(),
-        num_experts=cfg["experts"],
-        topk=cfg["topk"],
-        hidden=cfg["hidden"],
-        ffn=cfg["ffn"],
-        num_layers=cfg["layers"],
-        num_attention_heads=cfg["heads"],
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=1e-2,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
         recompute_granularity="full",
         recompute_method="uniform",
         recompute_num_layers=1,

@@ -16,13 +16,8 @@ from typing import Any, Dict, List
 
 import torch
 
-from cpu_runtime.compat import _Proxy
-from cpu_runtime.host_streams import (
-    HOST_STREAMS,
-    HostEvent,
-    HostStream,
-    install_record_stream_stand_in,
-)
+from cpu_runtime.compat import host_stream_torch
+from cpu_runtime.host_streams import HOST_STREAMS, HostStream, install_record_stream_stand_in
 
 # The modules of the overlap path that call torch.cuda's stream API.
 STREAM_MODULES = (
@@ -38,18 +33,6 @@ DEVICE_MODULES = ("megatron.core.pipeline_parallel.schedules",)
 
 def _host_zeros(*args, device=None, **kwargs):
     return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
-
-
-def host_stream_torch(**extra) -> _Proxy:
-    """``torch`` whose ``cuda`` stream/event calls are the host stand-ins."""
-    cuda = _Proxy(
-        torch.cuda,
-        Stream=HostStream,
-        Event=HostEvent,
-        current_stream=HOST_STREAMS.current_stream,
-        stream=HOST_STREAMS.stream,
-    )
-    return _Proxy(torch, cuda=cuda, **extra)
 
 
 def install_overlap_cpu_shim() -> List[str]:
@@ -111,26 +94,13 @@ def overlap_config(cfg: Dict[str, Any]):
     """The GPT config: bf16 (the overlap requires bf16/fp16), no recompute, EP = world size."""
     import torch.distributed as dist
 
-    from cpu_runtime.moe_harness import moe_config
+    from cpu_runtime.moe_harness import gpt_moe_config
 
-    overrides = (
-        {} if cfg["dispatcher"] == "flex" else {"moe_token_dispatcher_type": cfg["dispatcher"]}
-    )
-    return moe_config(
-        cfg.get("backend", "hybridep"),
+    return gpt_moe_config(
+        cfg,
         dist.get_world_size(),
-        num_experts=cfg["experts"],
-        topk=cfg["topk"],
-        hidden=cfg["hidden"],
-        ffn=cfg["ffn"],
-        num_layers=cfg["layers"],
-        num_attention_heads=cfg["heads"],
         dtype=torch.bfloat16,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
         overlap_moe_expert_parallel_comm=cfg["overlap"],
-        **overrides,
     )
 
 

@@ -274,9 +274,10 @@ def host_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool 
     return out.numpy() if as_numpy else out
 
 
-def dtoh_stream_torch() -> types.ModuleType:
-    """``torch`` as the all-to-all dispatcher sees it on the host: the real module, with the
-    stream calls of ``torch.cuda`` answered by :class:`HostStream` and :data:`HOST_STREAMS`."""
+def host_stream_torch(**extra) -> types.ModuleType:
+    """``torch`` with the stream calls of ``torch.cuda`` answered by :class:`HostStream` and
+    :data:`HOST_STREAMS` (and the attributes in ``extra`` replaced); everything else is
+    torch's."""
     cuda = _Proxy(
         torch.cuda,
         Stream=HostStream,
@@ -284,7 +285,13 @@ def dtoh_stream_torch() -> types.ModuleType:
         current_stream=HOST_STREAMS.current_stream,
         stream=HOST_STREAMS.stream,
     )
-    return _Proxy(torch, cuda=cuda)
+    return _Proxy(torch, cuda=cuda, **extra)
+
+
+def dtoh_stream_torch() -> types.ModuleType:
+    """``torch`` as the all-to-all dispatcher sees it on the host: the real module, with the
+    stream calls of ``torch.cuda`` answered by :class:`HostStream` and :data:`HOST_STREAMS`."""
+    return host_stream_torch()
 
 
 def stream_stand_in_of(module_torch) -> bool:

@@ -84,6 +84,29 @@ def moe_config(
     return TransformerConfig(**kwargs)
 
 
+def gpt_moe_config(cfg: Dict, ep: int, **overrides):
+    """The config of the report's and the overlap runs' GPTModel: the sizes in ``cfg``
+    (experts, topk, hidden, ffn, layers, heads), the flex dispatcher with ``cfg['backend']``
+    unless ``cfg['dispatcher']`` names another, and the unfused local kernels."""
+    dispatcher = cfg.get("dispatcher", "flex")
+    if dispatcher != "flex":
+        overrides.setdefault("moe_token_dispatcher_type", dispatcher)
+    return moe_config(
+        cfg.get("backend", "hybridep"),
+        ep,
+        num_experts=cfg["experts"],
+        topk=cfg["topk"],
+        hidden=cfg["hidden"],
+        ffn=cfg["ffn"],
+        num_layers=cfg["layers"],
+        num_attention_heads=cfg["heads"],
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        **overrides,
+    )
+
+
 def build_moe_layer(config, layer_number: int = 1):
     """megatron-core's MoELayer with SequentialMLP experts and the real TopKRouter."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
