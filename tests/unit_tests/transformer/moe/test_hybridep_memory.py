@@ -233,3 +233,18 @@ def test_recompute_combine_output_at_the_communication_extent(dist_job, patched_
         for shape, nbytes in got["combine"]:
             assert shape == (extent, hidden)
             assert nbytes == acc.recompute_combine_floor(extent, hidden), f"rank {rank}"
+
+
+def test_measured_retained_bytes_reads_the_probe(patched_tree):
+    """The measured side of the comparison: what a dispatcher object references, through the
+    retained-state probe (here a stand-in dispatcher holding a probs tensor and a handle)."""
+
+    class Dispatcher:
+        pass
+
+    d = Dispatcher()
+    d.probs = torch.zeros(12, 8)  # 384 bytes
+    d.handle = (torch.zeros(4, dtype=torch.int64), torch.zeros(3, dtype=torch.bool))  # 32 + 3
+    assert acc.measured_retained_bytes(d) == 384 + 32 + 3
+    d.probs = d.handle = None
+    assert acc.measured_retained_bytes(d) == 0
