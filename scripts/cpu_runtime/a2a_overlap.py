@@ -101,6 +101,7 @@ def overlap_config(cfg: Dict[str, Any]):
         dist.get_world_size(),
         dtype=torch.bfloat16,
         overlap_moe_expert_parallel_comm=cfg["overlap"],
+        **cfg.get("config_overrides", {}),
     )
 
 

@@ -140,3 +140,18 @@ def test_layer_serving_two_microbatches(dist_job, patched_tree):
             assert holder in a["mb1_forward_state"], f"rank {rank}: {holder}"
         assert a["grads"].keys() == b["grads"].keys()
         assert all(torch.equal(a["grads"][n], b["grads"][n]) for n in a["grads"]), rank
+
+
+def test_early_attention_release_variant(dist_job, patched_tree):
+    """``ep_overlap_early_attn_memory_release``: the backward of a layer's attention runs
+    before the other microbatch's expert forward (TransformerLayerSchedulePlan.run). Still
+    bitwise equal to the overlap off, and a finished layer holds nothing."""
+    case = ("flex", "hybridep", 3)
+    early = {"ep_overlap_early_attn_memory_release": True}
+    on = _run(dist_job, patched_tree, case, overlap=True, config_overrides=early)
+    off = _run(dist_job, patched_tree, case, overlap=False)
+    _assert_bitwise(on, off)
+    for rank, res in enumerate(on):
+        assert len(res["layers"]) == SMALL["microbatches"] * 3
+        held = [r for r in res["layers"] if r["bytes"] or any(r["alive"].values())]
+        assert held == [], f"rank {rank}: {held[:2]}"
