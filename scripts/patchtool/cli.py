@@ -11,6 +11,7 @@ Verbs:
   verify       does an installed megatron-core match this repo's series?
   trees        materialize the base and patched trees the tests run against
   label        print the overlay version label of a base's series
+  landed       which patches of a series a (newer) checkout already contains
 
 The logic is pure functions over bytes (parse_series, parse_patch, apply_file_patch, ...); the
 verbs are thin I/O around them so tests call both.
@@ -28,7 +29,8 @@ from typing import Optional, Sequence
 from .check import check_base, find_installed_core, verify_installed
 from .common import UserError, log
 from .git import create_edit_repo, export_series
-from .patches import overlay_label
+from .landed import landed_states
+from .patches import overlay_label, parse_patch
 from .pins import load_pins
 from .repo import overlay_files, read_series
 from .sdist import fetch_sdist, read_sdist
@@ -130,6 +132,19 @@ def _cmd_label(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_landed(args: argparse.Namespace) -> int:
+    base = load_pins().get(args.base)
+    patches = [parse_patch(data, name) for name, data in read_series(base)]
+    checkout = Path(args.checkout)
+    states = landed_states(checkout, patches)
+    print(f"series for {base.version} against {checkout}:")
+    for state in states:
+        print(f"  {state.verdict:22} {state.name} ({state.counts()})")
+    landed = [s.name for s in states if s.verdict == "landed"]
+    print(f"{len(landed)} of {len(states)} landed" + (": drop them on rebase" if landed else ""))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     parser = argparse.ArgumentParser(prog="moe_release.py", description=__doc__.split("\n\n")[0])
@@ -169,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = verb("label", "print the overlay version (base+label) of the series")
     p.add_argument("--no-series", action="store_true", help="label of the base + new modules only")
     p.set_defaults(func=_cmd_label)
+    p = verb("landed", "report which patches a newer checkout already contains (rebase aid)")
+    p.add_argument("checkout", metavar="CHECKOUT", help="a tree holding megatron/core")
+    p.set_defaults(func=_cmd_landed)
     return parser
 
 
