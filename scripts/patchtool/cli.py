@@ -12,6 +12,7 @@ Verbs:
   trees        materialize the base and patched trees the tests run against
   label        print the overlay version label of a base's series
   landed       which patches of a series a (newer) checkout already contains
+  upstream     export the series for NVIDIA/Megatron-LM (git am-able, DCO-signed)
 
 The logic is pure functions over bytes (parse_series, parse_patch, apply_file_patch, ...); the
 verbs are thin I/O around them so tests call both.
@@ -35,6 +36,7 @@ from .pins import load_pins
 from .repo import overlay_files, read_series
 from .sdist import fetch_sdist, read_sdist
 from .trees import MANIFEST_PATH, ensure_trees, load_tree, materialize
+from .upstream import check_export, export_upstream, identity
 
 
 def _cmd_fetch(args: argparse.Namespace) -> int:
@@ -145,6 +147,18 @@ def _cmd_landed(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_upstream(args: argparse.Namespace) -> int:
+    ident = identity()
+    series = read_series(load_pins().get(None))
+    paths = export_upstream(args.target, series, Path(args.outdir), ident)
+    print(f"wrote {len(paths)} patches for {args.target} to {args.outdir}, signed off by "
+          f"{ident[0]} <{ident[1]}>")  # fmt: skip
+    if args.check:
+        for line in check_export(paths, Path(args.check), args.ref, ident):
+            print(line)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     parser = argparse.ArgumentParser(prog="moe_release.py", description=__doc__.split("\n\n")[0])
@@ -187,6 +201,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = verb("landed", "report which patches a newer checkout already contains (rebase aid)")
     p.add_argument("checkout", metavar="CHECKOUT", help="a tree holding megatron/core")
     p.set_defaults(func=_cmd_landed)
+    p = sub.add_parser(
+        "upstream",
+        help="export the series for NVIDIA/Megatron-LM: git am-able, DCO-signed, upstream style",
+        description="write the series for TARGET (core_r0.19.0, main; dev and the backport "
+        "branches are refused until their variants exist) as 0001-... mboxes into OUTDIR",
+    )
+    p.add_argument("target", metavar="TARGET", help="upstream ref the export is for")
+    p.add_argument("outdir", metavar="OUTDIR", help="target directory (absent or empty)")
+    p.add_argument("--check", metavar="CHECKOUT", help="git am the export onto a clone of it")
+    p.add_argument("--ref", help="ref of CHECKOUT to apply to (default: its HEAD)")
+    p.set_defaults(func=_cmd_upstream)
     return parser
 
 

@@ -1,0 +1,170 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""Export the series for submission to NVIDIA/Megatron-LM, in upstream's conventions.
+
+Upstream commits carry conventional subjects (``fix(moe): ...``) and only a ``Signed-off-by``
+(DCO) of the person submitting; the overlay's ``Forwarded:``/``Origin:`` trailers and its
+placeholder identity are bookkeeping of this repository and are dropped. Each exported file is
+a ``git am``-able mbox (``0001-<slug>.patch`` ...) whose message is the PR description: what,
+why, measured numbers, tests, what it does not cover. :func:`check_export` applies an export to
+a Megatron-LM checkout with ``git am`` and byte-compiles every file it touched.
+"""
+
+from __future__ import annotations
+
+import py_compile
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from .common import REPO_ROOT, UserError
+from .patches import Patch, parse_patch
+
+# Targets whose code the primary series (over the 0.19.2 sdist) applies to.
+PRIMARY_TARGETS = ("core_r0.19.0", "main")
+PENDING_TARGETS = {
+    "dev": "dev's #5869 defines reset_transient_forward_state/_TRANSIENT_FORWARD_ATTRS itself; "
+    "a dev variant building on that API is not written yet",
+    "core_r0.18.0": "no backport series yet (patches/backports/core_r0.18.0)",
+    "core_r0.17.0": "no backport series yet (patches/backports/core_r0.17.0)",
+    "core_r0.16.0": "no backport series yet (patches/backports/core_r0.16.0)",
+}
+OVERLAY_TRAILERS = ("Forwarded", "Applied-Upstream", "Origin", "Signed-off-by")
+PLACEHOLDER_EMAILS = ("maintainers@moe-release.invalid",)
+
+
+def identity(repo: Path = REPO_ROOT) -> tuple[str, str]:
+    """The exporter's git identity (user.name, user.email); refuses an unset or placeholder one,
+    naming the fix."""
+
+    def get(key: str) -> str:
+        done = subprocess.run(["git", "-C", str(repo), "config", key], capture_output=True)
+        return done.stdout.decode().strip() if done.returncode == 0 else ""
+
+    name, email = get("user.name"), get("user.email")
+    fix = 'set yours: git config user.name "Your Name" && git config user.email you@example.com'
+    if not name or not email:
+        raise UserError(f"no git identity to sign off with (user.name/user.email unset); {fix}")
+    if email in PLACEHOLDER_EMAILS or email.endswith(".invalid"):
+        raise UserError(f"{email} is a placeholder, which the DCO cannot accept; {fix}")
+    return name, email
+
+
+def upstream_subject(subject: str) -> str:
+    """``[MoE] Release x`` -> ``fix(moe): release x`` (acronyms keep their case)."""
+    text = re.sub(r"^\[MoE\]\s*", "", subject).strip()
+    first = text.split(" ", 1)[0]
+    if not (len(first) > 1 and (first.isupper() or any(c.isdigit() for c in first))):
+        text = text[:1].lower() + text[1:]
+    return f"fix(moe): {text}"
+
+
+def upstream_message(patch: Patch, name: str, email: str) -> str:
+    """The message without the overlay's trailers, signed off by the exporter."""
+    lines = patch.message.rstrip("\n").split("\n")
+    trailer = re.compile("^(" + "|".join(OVERLAY_TRAILERS) + "): ")
+    while lines and (trailer.match(lines[-1]) or not lines[-1].strip()):
+        lines.pop()
+    return "\n".join(lines) + f"\n\nSigned-off-by: {name} <{email}>\n"
+
+
+def _slug(subject: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", subject).strip("-")[:52].rstrip("-")
+
+
+def export_upstream(
+    target: str, series: list[tuple[str, bytes]], outdir: Path, ident: tuple[str, str]
+) -> list[Path]:
+    """Write the series for ``target`` as ``git am``-able mboxes into ``outdir`` (absent or
+    empty); returns their paths."""
+    if target in PENDING_TARGETS:
+        raise UserError(f"upstream {target}: {PENDING_TARGETS[target]}")
+    if target not in PRIMARY_TARGETS:
+        known = ", ".join(PRIMARY_TARGETS + tuple(PENDING_TARGETS))
+        raise UserError(f"unknown target {target!r} (one of {known})")
+    if outdir.exists() and (not outdir.is_dir() or any(outdir.iterdir())):
+        raise UserError(f"{outdir}: target exists and is not empty")
+    name, email = ident
+    total = len(series)
+    staged = Path(
+        tempfile.mkdtemp(prefix=".upstream-", dir=outdir.parent if outdir.parent.exists() else None)
+    )
+    paths = []
+    try:
+        for n, (fname, data) in enumerate(series, 1):
+            patch = parse_patch(data, fname)
+            subject = upstream_subject(patch.subject)
+            diff = data[data.index(b"\ndiff --git ") + 1 :]
+            head = (
+                "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
+                f"From: {name} <{email}>\nDate: {patch.date}\n"
+                f"Subject: [PATCH {n}/{total}] {subject}\n\n"
+            )
+            body = upstream_message(patch, name, email)
+            out = staged / f"{n:04d}-{_slug(subject)}.patch"
+            out.write_bytes((head + body + "---\n").encode() + diff)
+            paths.append(out.name)
+        if outdir.exists():
+            outdir.rmdir()
+        staged.rename(outdir)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    return [outdir / p for p in paths]
+
+
+def check_export(
+    patches: list[Path], checkout: Path, ref: Optional[str], ident: tuple[str, str]
+) -> list[str]:
+    """``git am`` the export onto a scratch clone of ``checkout`` (at ``ref``, default HEAD) and
+    byte-compile the Python files it touched; returns lines describing the result. Raises
+    UserError naming the patch that does not apply."""
+    if not patches:
+        raise UserError("nothing to check: the export is empty")
+    env = {
+        "GIT_AUTHOR_NAME": ident[0], "GIT_AUTHOR_EMAIL": ident[1],
+        "GIT_COMMITTER_NAME": ident[0], "GIT_COMMITTER_EMAIL": ident[1],
+        "GIT_CONFIG_NOSYSTEM": "1", "PATH": "/usr/bin:/bin:/usr/local/bin", "LC_ALL": "C",
+    }  # fmt: skip
+
+    def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True)
+
+    with tempfile.TemporaryDirectory(prefix="moe-upstream-check-") as tmp:
+        work = Path(tmp) / "checkout"
+        done = run("clone", "--quiet", "--shared", "--no-checkout", str(checkout), str(work),
+                   cwd=Path(tmp))  # fmt: skip
+        if done.returncode != 0:
+            raise UserError(f"{checkout}: not a git repository ({done.stderr.strip()[:200]})")
+        rev = ref or "HEAD"
+        done = run("checkout", "--quiet", "--detach", rev, cwd=work)
+        if done.returncode != 0:  # a branch of the checkout is a remote branch of the clone
+            done = run("checkout", "--quiet", "--detach", f"origin/{rev}", cwd=work)
+        if done.returncode != 0:
+            raise UserError(f"{checkout}: no ref {rev!r}")
+        commit = run("rev-parse", "HEAD", cwd=work).stdout.strip()
+        touched: set = set()
+        for path in patches:
+            done = run("am", "--quiet", str(path), cwd=work)
+            if done.returncode != 0:
+                run("am", "--abort", cwd=work)
+                why = (done.stdout + done.stderr).strip().splitlines()
+                raise UserError(f"{path.name} does not apply to {rev} ({commit[:12]}): "
+                                f"{why[0] if why else '?'}")  # fmt: skip
+            names = run("show", "--name-only", "--format=", "HEAD", cwd=work).stdout.split()
+            touched.update(names)
+        failed = []
+        for rel in sorted(t for t in touched if t.endswith(".py")):
+            try:
+                py_compile.compile(str(work / rel), doraise=True, cfile=str(Path(tmp) / "c.pyc"))
+            except py_compile.PyCompileError as exc:
+                failed.append(f"{rel}: {exc.msg.strip().splitlines()[-1]}")
+        if failed:
+            raise UserError(f"byte-compile failed after git am: {failed[0]}")
+        return [
+            f"{len(patches)} patches applied with git am to {rev} ({commit[:12]})",
+            f"{len(touched)} files touched, all Python ones byte-compile",
+        ]

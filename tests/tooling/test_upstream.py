@@ -1,0 +1,147 @@
+"""`moe_release.py upstream`: the series in upstream's conventions, applied with git am."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from patchtool.common import UserError
+from patchtool.patches import parse_patch
+from patchtool.repo import read_series
+from patchtool.upstream import (
+    check_export,
+    export_upstream,
+    identity,
+    upstream_message,
+    upstream_subject,
+)
+
+IDENT = ("Ada Lovelace", "ada@example.com")
+
+
+def _git(cwd: Path, *args: str) -> None:
+    env = dict(os.environ, GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_NOSYSTEM="1")
+    subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True)
+
+
+@pytest.fixture
+def isolated_git(monkeypatch):
+    """No global or system git config: only what a test sets in its repo counts."""
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", os.devnull)
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+
+
+@pytest.mark.parametrize(
+    "email,message",
+    [
+        (None, "no git identity to sign off with"),
+        ("maintainers@moe-release.invalid", "is a placeholder, which the DCO cannot accept"),
+        ("someone@host.invalid", "is a placeholder"),
+    ],
+)
+def test_identity_refuses_unset_or_placeholder(tmp_path, isolated_git, email, message):
+    _git(tmp_path, "init", "-q")
+    if email:
+        _git(tmp_path, "config", "user.name", "Somebody")
+        _git(tmp_path, "config", "user.email", email)
+    with pytest.raises(UserError, match=message) as exc:
+        identity(tmp_path)
+    assert "git config user.name" in str(exc.value)  # names the fix
+
+
+def test_identity_is_the_exporters(tmp_path, isolated_git):
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "config", "user.name", IDENT[0])
+    _git(tmp_path, "config", "user.email", IDENT[1])
+    assert identity(tmp_path) == IDENT
+
+
+@pytest.mark.parametrize(
+    "subject,expected",
+    [
+        ("[MoE] Release flex dispatcher state after combine",
+         "fix(moe): release flex dispatcher state after combine"),
+        ("[MoE] A2A overlap: drop a node's tensors",
+         "fix(moe): A2A overlap: drop a node's tensors"),
+        ("[MoE] Re-create the HybridEP buffer", "fix(moe): re-create the HybridEP buffer"),
+    ],
+)  # fmt: skip
+def test_conventional_subject(subject, expected):
+    assert upstream_subject(subject) == expected
+
+
+def test_export_strips_overlay_trailers_and_signs_off(tmp_path, base):
+    series = read_series(base)
+    paths = export_upstream("core_r0.19.0", series, tmp_path / "out", IDENT)
+    assert [p.name[:5] for p in paths] == [f"{n:04d}-" for n in range(1, len(series) + 1)]
+    for path, (name, data) in zip(paths, series):
+        text = path.read_text()
+        assert f"Subject: [PATCH {paths.index(path) + 1}/{len(series)}] fix(moe): " in text
+        assert "From: Ada Lovelace <ada@example.com>" in text
+        message = text.split("\n---\n", 1)[0]
+        assert "Forwarded:" not in message and "Origin:" not in message
+        assert "moe-release.invalid" not in message
+        assert message.rstrip().endswith("Signed-off-by: Ada Lovelace <ada@example.com>")
+        # The diff is the series' own, byte for byte.
+        assert text.encode().endswith(data[data.index(b"\ndiff --git ") + 1 :])
+        assert upstream_message(parse_patch(data, name), *IDENT) in text
+
+
+@pytest.mark.parametrize(
+    "target,message",
+    [
+        ("dev", "dev's #5869 defines reset_transient_forward_state"),
+        ("core_r0.18.0", "no backport series yet"),
+        ("core_r0.9.0", "unknown target 'core_r0.9.0'"),
+    ],
+)
+def test_export_refuses_targets_without_a_series(tmp_path, base, target, message):
+    with pytest.raises(UserError, match=message):
+        export_upstream(target, read_series(base), tmp_path / "out", IDENT)
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_export_refuses_a_nonempty_target(tmp_path, base):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep").write_text("x")
+    with pytest.raises(UserError, match="not empty"):
+        export_upstream("main", read_series(base), tmp_path / "out", IDENT)
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep"]
+
+
+def _checkout(tmp_path: Path, base, base_files, edit=None) -> Path:
+    """A git checkout holding the files the series touches, as in the pinned base."""
+    root = tmp_path / "mlm"
+    paths = {fp.path for n, d in read_series(base) for fp in parse_patch(d, n).files}
+    for rel in paths:
+        if rel in base_files:
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_bytes(base_files[rel])
+    if edit:
+        edit(root)
+    _git(root, "init", "-q")
+    _git(root, "add", "-A")
+    _git(root, "-c", "user.name=x", "-c", "user.email=x@example.com", "commit", "-qm", "base")
+    return root
+
+
+def test_check_applies_with_git_am_and_byte_compiles(tmp_path, base, base_files):
+    paths = export_upstream("core_r0.19.0", read_series(base), tmp_path / "out", IDENT)
+    lines = check_export(paths, _checkout(tmp_path, base, base_files), None, IDENT)
+    assert lines[0].startswith(f"{len(paths)} patches applied with git am to HEAD")
+    assert "all Python ones byte-compile" in lines[1]
+
+
+def test_check_names_the_patch_that_does_not_apply(tmp_path, base, base_files):
+    def reword(root):
+        f = root / "megatron/core/parallel_state.py"
+        f.write_text(f.read_text().replace('"""Set the groups to none."""', '"""Reworded."""'))
+
+    paths = export_upstream("core_r0.19.0", read_series(base), tmp_path / "out", IDENT)
+    checkout = _checkout(tmp_path, base, base_files, reword)
+    with pytest.raises(UserError, match=r"0009-fix-moe-release-the-HybridEP.*does not apply"):
+        check_export(paths, checkout, None, IDENT)
+    # The checkout itself is untouched: git am ran on a scratch clone.
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=checkout, capture_output=True)
+    assert status.stdout == b""
