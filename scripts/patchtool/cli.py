@@ -150,9 +150,9 @@ def _cmd_landed(args: argparse.Namespace) -> int:
 def _cmd_upstream(args: argparse.Namespace) -> int:
     ident = identity()
     series = read_series(load_pins().get(None))
-    paths = export_upstream(args.target, series, Path(args.outdir), ident)
-    print(f"wrote {len(paths)} patches for {args.target} to {args.outdir}, signed off by "
-          f"{ident[0]} <{ident[1]}>")  # fmt: skip
+    paths = export_upstream(args.target, series, Path(args.outdir), ident, args.topic)
+    print(f"wrote {len(paths)} {args.topic} patches for {args.target} to {args.outdir}, "
+          f"signed off by {ident[0]} <{ident[1]}>")  # fmt: skip
     if args.check:
         for line in check_export(paths, Path(args.check), args.ref, ident):
             print(line)
@@ -211,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("outdir", metavar="OUTDIR", help="target directory (absent or empty)")
     p.add_argument("--check", metavar="CHECKOUT", help="git am the export onto a clone of it")
     p.add_argument("--ref", help="ref of CHECKOUT to apply to (default: its HEAD)")
+    p.add_argument("--topic", default="memory", choices=("memory", "cpu-import"),
+                   help="which PR: the memory release (default) or the CPU-import fix")  # fmt: skip
     p.set_defaults(func=_cmd_upstream)
     return parser
 

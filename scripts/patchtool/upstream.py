@@ -33,6 +33,10 @@ PENDING_TARGETS = {
     "core_r0.16.0": "no backport series yet (patches/backports/core_r0.16.0)",
 }
 OVERLAY_TRAILERS = ("Forwarded", "Applied-Upstream", "Origin", "Signed-off-by")
+# Upstream takes separate topics as separate PRs: the CPU-import fix is one, the memory release
+# (every other patch; none depends on it) another.
+TOPICS = ("memory", "cpu-import")
+CPU_IMPORT_SUBJECT = "[MoE] Let the MoE dispatcher path import and build without CUDA"
 PLACEHOLDER_EMAILS = ("maintainers@moe-release.invalid",)
 
 
@@ -75,11 +79,23 @@ def _slug(subject: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", subject).strip("-")[:52].rstrip("-")
 
 
+def topic_series(series: list[tuple[str, bytes]], topic: str) -> list[tuple[str, bytes]]:
+    """The patches of one upstream PR: ``cpu-import`` or ``memory`` (all the others)."""
+    if topic not in TOPICS:
+        raise UserError(f"unknown topic {topic!r} (one of {', '.join(TOPICS)})")
+    cpu = [(n, d) for n, d in series if parse_patch(d, n).subject == CPU_IMPORT_SUBJECT]
+    return cpu if topic == "cpu-import" else [item for item in series if item not in cpu]
+
+
 def export_upstream(
-    target: str, series: list[tuple[str, bytes]], outdir: Path, ident: tuple[str, str]
+    target: str,
+    series: list[tuple[str, bytes]],
+    outdir: Path,
+    ident: tuple[str, str],
+    topic: str = "memory",
 ) -> list[Path]:
-    """Write the series for ``target`` as ``git am``-able mboxes into ``outdir`` (absent or
-    empty); returns their paths."""
+    """Write one topic of the series for ``target`` as ``git am``-able mboxes into ``outdir``
+    (absent or empty); returns their paths."""
     if target in PENDING_TARGETS:
         raise UserError(f"upstream {target}: {PENDING_TARGETS[target]}")
     if target not in PRIMARY_TARGETS:
@@ -87,6 +103,7 @@ def export_upstream(
         raise UserError(f"unknown target {target!r} (one of {known})")
     if outdir.exists() and (not outdir.is_dir() or any(outdir.iterdir())):
         raise UserError(f"{outdir}: target exists and is not empty")
+    series = topic_series(series, topic)
     name, email = ident
     total = len(series)
     staged = Path(

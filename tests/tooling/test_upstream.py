@@ -10,9 +10,11 @@ from patchtool.common import UserError
 from patchtool.patches import parse_patch
 from patchtool.repo import read_series
 from patchtool.upstream import (
+    CPU_IMPORT_SUBJECT,
     check_export,
     export_upstream,
     identity,
+    topic_series,
     upstream_message,
     upstream_subject,
 )
@@ -71,9 +73,19 @@ def test_conventional_subject(subject, expected):
     assert upstream_subject(subject) == expected
 
 
-def test_export_strips_overlay_trailers_and_signs_off(tmp_path, base):
+def test_topics_split_the_series(base):
     series = read_series(base)
-    paths = export_upstream("core_r0.19.0", series, tmp_path / "out", IDENT)
+    cpu, memory = topic_series(series, "cpu-import"), topic_series(series, "memory")
+    assert [parse_patch(d, n).subject for n, d in cpu] == [CPU_IMPORT_SUBJECT]
+    assert len(memory) == len(series) - 1 and cpu[0] not in memory
+    with pytest.raises(UserError, match="unknown topic 'docs'"):
+        topic_series(series, "docs")
+
+
+@pytest.mark.parametrize("topic", ["memory", "cpu-import"])
+def test_export_strips_overlay_trailers_and_signs_off(tmp_path, base, topic):
+    series = topic_series(read_series(base), topic)
+    paths = export_upstream("core_r0.19.0", read_series(base), tmp_path / "out", IDENT, topic)
     assert [p.name[:5] for p in paths] == [f"{n:04d}-" for n in range(1, len(series) + 1)]
     for path, (name, data) in zip(paths, series):
         text = path.read_text()
@@ -126,8 +138,9 @@ def _checkout(tmp_path: Path, base, base_files, edit=None) -> Path:
     return root
 
 
-def test_check_applies_with_git_am_and_byte_compiles(tmp_path, base, base_files):
-    paths = export_upstream("core_r0.19.0", read_series(base), tmp_path / "out", IDENT)
+@pytest.mark.parametrize("topic", ["memory", "cpu-import"])
+def test_check_applies_with_git_am_and_byte_compiles(tmp_path, base, base_files, topic):
+    paths = export_upstream("core_r0.19.0", read_series(base), tmp_path / "out", IDENT, topic)
     lines = check_export(paths, _checkout(tmp_path, base, base_files), None, IDENT)
     assert lines[0].startswith(f"{len(paths)} patches applied with git am to HEAD")
     assert "all Python ones byte-compile" in lines[1]
@@ -140,7 +153,7 @@ def test_check_names_the_patch_that_does_not_apply(tmp_path, base, base_files):
 
     paths = export_upstream("core_r0.19.0", read_series(base), tmp_path / "out", IDENT)
     checkout = _checkout(tmp_path, base, base_files, reword)
-    with pytest.raises(UserError, match=r"0009-fix-moe-release-the-HybridEP.*does not apply"):
+    with pytest.raises(UserError, match=r"0008-fix-moe-release-the-HybridEP.*does not apply"):
         check_export(paths, checkout, None, IDENT)
     # The checkout itself is untouched: git am ran on a scratch clone.
     status = subprocess.run(["git", "status", "--porcelain"], cwd=checkout, capture_output=True)
