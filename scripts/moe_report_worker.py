@@ -25,6 +25,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from cpu_runtime.cpu_memory import downsample
+
 
 def _device() -> torch.device:
     if torch.cuda.is_available():
@@ -115,17 +117,6 @@ def cuda_trace_points(trace: List[Dict[str, Any]], baseline: int) -> List[Tuple[
     return pts
 
 
-def downsample(pts: List[Tuple[int, int]], t0: int, points: int) -> Dict[str, List[float]]:
-    """Time in ms since t0 and, per bucket of about len/points samples, the maximum bytes."""
-    size = max(len(pts) // points, 1)
-    t_ms, out = [], []
-    for i in range(0, len(pts), size):
-        chunk = pts[i : i + size]
-        t_ms.append((chunk[0][0] - t0) / 1e6)
-        out.append(max(b for _, b in chunk))
-    return {"t_ms": t_ms, "bytes": out}
-
-
 def _dispatcher_overrides(cfg: Dict[str, Any]) -> Dict[str, Any]:
     """Config fields for a dispatcher other than the flex one (the harness's default) and for
     multi-token prediction layers."""
@@ -138,13 +129,12 @@ def _dispatcher_overrides(cfg: Dict[str, Any]) -> Dict[str, Any]:
 
 def build_model(cfg: Dict[str, Any]):
     """megatron-core GPTModel with MoE layers on the local spec, checkpointing every layer."""
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_mtp_block_spec,
     )
 
-    from cpu_runtime.moe_harness import gpt_moe_config
+    from cpu_runtime.moe_harness import gpt_model, gpt_moe_config
 
     config = gpt_moe_config(
         cfg,
@@ -167,15 +157,7 @@ def build_model(cfg: Dict[str, Any]):
 
         install_mtp_cpu_shim()
         mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=cfg["vocab"],
-        max_sequence_length=cfg["seq"],
-        position_embedding_type="learned_absolute",
-        mtp_block_spec=mtp_spec,
-    )
-    return model.to(_device())
+    return gpt_model(config, cfg, spec, mtp_spec).to(_device())
 
 
 def _batch(cfg: Dict[str, Any], step: int):

@@ -181,11 +181,11 @@ def targets(section: Dict[str, Any]) -> Dict[str, str]:
 def plot(ax, section: Dict[str, Any]) -> None:
     """The step's live bytes over time, base vs patched (rank 0)."""
     for name in ("base", "patched"):
-        pts = section["timeline"].get(name) or []
-        if not pts:
+        tl = section["timeline"].get(name)
+        if not tl or not tl["t_ms"]:
             continue
-        end = pts[-1][0] or 1
-        ax.plot([t / end for t, _ in pts], [v / 2**20 for _, v in pts], label=name)
+        end = tl["t_ms"][-1] or 1.0
+        ax.plot([t / end for t in tl["t_ms"]], [b / 2**20 for b in tl["bytes"]], label=name)
     ax.set_title("rank 0: live bytes during the overlapped step")
     ax.set_xlabel("fraction of the step")
     ax.set_ylabel("MiB above the step's start")

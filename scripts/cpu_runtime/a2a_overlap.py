@@ -16,7 +16,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from cpu_runtime.compat import host_stream_torch
+from cpu_runtime.compat import host_stream_torch, host_zeros
 from cpu_runtime.host_streams import HOST_STREAMS, HostStream, install_record_stream_stand_in
 
 # The modules of the overlap path that call torch.cuda's stream API.
@@ -29,10 +29,6 @@ STREAM_MODULES = (
 )
 # The schedules allocate their token counters with device="cuda".
 DEVICE_MODULES = ("megatron.core.pipeline_parallel.schedules",)
-
-
-def _host_zeros(*args, device=None, **kwargs):
-    return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
 
 def install_overlap_cpu_shim() -> List[str]:
@@ -49,7 +45,7 @@ def install_overlap_cpu_shim() -> List[str]:
         module = importlib.import_module(name)
         if getattr(module, "_moe_release_host_streams", False):
             continue
-        extra = {"zeros": _host_zeros} if name in DEVICE_MODULES else {}
+        extra = {"zeros": host_zeros} if name in DEVICE_MODULES else {}
         module.torch = host_stream_torch(**extra)
         module._moe_release_host_streams = True
         changed.append(name)
@@ -107,19 +103,14 @@ def overlap_config(cfg: Dict[str, Any]):
 
 def build_gpt(cfg: Dict[str, Any]):
     """megatron-core GPTModel on the local spec, every layer MoE, seeded."""
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from cpu_runtime.moe_harness import gpt_model
 
     config = overlap_config(cfg)
     spec = get_gpt_layer_local_spec(num_experts=cfg["experts"], moe_grouped_gemm=False)
     torch.manual_seed(cfg["seed"])
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=cfg["vocab"],
-        max_sequence_length=cfg["seq"],
-        position_embedding_type="learned_absolute",
-    )
+    model = gpt_model(config, cfg, spec)
     # As megatron's Float16Module does for a bf16 run: every parameter in bf16.
     return model.bfloat16()
 
@@ -175,8 +166,6 @@ def overlap_run(cfg: Dict[str, Any]) -> Dict[str, Any]:
         if cfg.get("timeline"):
             cpu_memory.start_recording()
             t0 = cpu_memory.now_ns()
-    if cfg.get("no_gc"):
-        gc.disable()
     try:
         with HOST_STREAMS.record() as ops:
             out = get_forward_backward_func()(
@@ -189,7 +178,6 @@ def overlap_run(cfg: Dict[str, Any]) -> Dict[str, Any]:
                 forward_only=False,
             )
     finally:
-        gc.enable()
         if watch is not None:
             watch.close()
     result = {
@@ -197,7 +185,6 @@ def overlap_run(cfg: Dict[str, Any]) -> Dict[str, Any]:
         "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
         "comm_stream": comm.name if comm is not None else None,
         "record_stream": [op for op in ops if op[0] == "record_stream"],
-        "stream_ops": len(ops),
         "comm_ops": sum(1 for op in ops if "comm" in op[1:2]),
     }
     if watch is not None:
@@ -210,15 +197,9 @@ def overlap_run(cfg: Dict[str, Any]) -> Dict[str, Any]:
         result["peak_bytes"] = cpu_memory.max_memory_allocated() - start
         if cfg.get("timeline"):
             times, values = cpu_memory.stop_recording()
-            pts = [(t - t0, v - start) for t, v in sorted(zip(times, values))]
-            result["timeline"] = _downsample(pts, cfg.get("timeline_points", 400))
+            pts = [(t, v - start) for t, v in sorted(zip(times, values))]
+            result["timeline"] = cpu_memory.downsample(pts, t0, 400)
     return result
-
-
-def _downsample(pts: List[Any], points: int) -> List[Any]:
-    """At most ``points`` (ns, bytes) pairs, each bucket's maximum (peaks survive)."""
-    step = max(len(pts) // points, 1)
-    return [max(pts[i : i + step], key=lambda p: p[1]) for i in range(0, len(pts), step)]
 
 
 # What a finished layer may still hold, per holder: the layer state's attributes and, per

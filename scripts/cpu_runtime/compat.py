@@ -126,6 +126,11 @@ def _needs_router_shim() -> bool:
     return "current_device()" in source and "is_available()" not in source
 
 
+def host_zeros(*args, device=None, **kwargs) -> torch.Tensor:
+    """``torch.zeros`` with ``device="cuda"`` placed on the host."""
+    return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
 def install_base_tree_shims() -> list:
     """Cover the two CUDA-only spots patch 1 fixes, only when the tree lacks the fix.
 
@@ -140,14 +145,11 @@ def install_base_tree_shims() -> list:
         manager = token_dispatcher._HybridEPManager
         original = manager.__init__
 
-        def zeros_on_host(*args, device=None, **kwargs):
-            return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
-
         @functools.wraps(original)
         def __init__(self, *args, **kwargs):
             # Only the module global `torch` seen while the constructor runs is swapped.
             saved = token_dispatcher.torch
-            token_dispatcher.torch = _Proxy(torch, zeros=zeros_on_host)
+            token_dispatcher.torch = _Proxy(torch, zeros=host_zeros)
             try:
                 original(self, *args, **kwargs)
             finally:

@@ -20,7 +20,7 @@ import subprocess
 import sysconfig
 import tempfile
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -133,3 +133,14 @@ def stop_recording() -> Tuple[List[int], List[int]]:
     values = (ctypes.c_longlong * n)()
     lib.moe_counter_copy_timeline(times, values, n)
     return list(times), list(values)
+
+
+def downsample(pts: List[Tuple[int, int]], t0: int, points: int) -> Dict[str, List[float]]:
+    """Time in ms since t0 and, per bucket of about len/points samples, the maximum bytes."""
+    size = max(len(pts) // points, 1)
+    t_ms, out = [], []
+    for i in range(0, len(pts), size):
+        chunk = pts[i : i + size]
+        t_ms.append((chunk[0][0] - t0) / 1e6)
+        out.append(max(b for _, b in chunk))
+    return {"t_ms": t_ms, "bytes": out}

@@ -107,6 +107,21 @@ def gpt_moe_config(cfg: Dict, ep: int, **overrides):
     )
 
 
+def gpt_model(config, cfg: Dict, spec, mtp_spec=None):
+    """megatron-core's GPTModel with learned absolute positions, sized by ``cfg`` (vocab,
+    seq)."""
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=cfg["vocab"],
+        max_sequence_length=cfg["seq"],
+        position_embedding_type="learned_absolute",
+        mtp_block_spec=mtp_spec,
+    )
+
+
 def build_moe_layer(config, layer_number: int = 1):
     """megatron-core's MoELayer with SequentialMLP experts and the real TopKRouter."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
