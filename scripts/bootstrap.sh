@@ -41,10 +41,11 @@ fi
 export NO_VCS_VERSION=1
 export PYTHONDONTWRITEBYTECODE=1
 
-# materialize_trees: the patched tree and the pristine base (+ our new modules) under .build/trees
-# (scripts/moe_release.py trees), exported as MOE_RELEASE_TREE and MOE_RELEASE_BASE_TREE.
+# materialize_trees [--base V]: the patched tree and the pristine base (+ our new modules) under
+# .build/trees (scripts/moe_release.py trees), exported as MOE_RELEASE_TREE and
+# MOE_RELEASE_BASE_TREE.
 materialize_trees() {
     local exports
-    exports="$("$PY" "$ROOT/scripts/moe_release.py" trees)"
+    exports="$("$PY" "$ROOT/scripts/moe_release.py" trees "$@")"
     eval "$exports"
 }

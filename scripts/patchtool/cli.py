@@ -121,7 +121,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_trees(args: argparse.Namespace) -> int:
-    base, patched = ensure_trees()
+    if args.list:
+        pins = load_pins()
+        with_series = [v for v, b in pins.bases.items() if (b.series_dir() / "series").exists()]
+        print(" ".join(sorted(with_series, key=lambda v: v != pins.primary)))
+        return 0
+    base, patched = ensure_trees(version=args.base)
     print(f"export MOE_RELEASE_BASE_TREE={shlex.quote(str(base))}")
     print(f"export MOE_RELEASE_TREE={shlex.quote(str(patched))}")
     return 0
@@ -188,12 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = verb("verify", "report whether an installed megatron-core matches this repo's series")
     p.add_argument("--python", default=sys.executable, help="interpreter of the environment")
     p.set_defaults(func=_cmd_verify)
-    p = sub.add_parser(
-        "trees",
-        help="materialize the base and patched trees the tests run against, under .build/trees",
-        description="materialize the base and patched trees under .build/trees; prints "
-        "shell exports of MOE_RELEASE_BASE_TREE and MOE_RELEASE_TREE",
+    p = verb(
+        "trees", "materialize the base and patched trees the tests run against, under .build/trees"
     )
+    p.description = (
+        "materialize a base's pristine and patched trees under .build/trees; prints shell "
+        "exports of MOE_RELEASE_BASE_TREE and MOE_RELEASE_TREE"
+    )
+    p.add_argument("--list", action="store_true", help="print the bases that have a series")
     p.set_defaults(func=_cmd_trees)
     p = verb("label", "print the overlay version (base+label) of the series")
     p.add_argument("--no-series", action="store_true", help="label of the base + new modules only")

@@ -45,7 +45,10 @@ def fetch_sdist(base: Base, cache: Optional[Path] = None, python: str = sys.exec
             python, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
             "--no-build-isolation", "--quiet", "--dest", tmp, f"megatron-core=={base.version}",
         ]  # fmt: skip
-        result = subprocess.run(cmd, capture_output=True, text=True)
+        # Some sdists' setup.py runs `python3 -m pybind11` while pip prepares metadata: put this
+        # interpreter's directory first on PATH so that `python3` is the one with the build tools.
+        env = dict(os.environ, PATH=os.pathsep.join([str(Path(python).parent), os.environ["PATH"]]))
+        result = subprocess.run(cmd, capture_output=True, text=True, env=env)
         got_path = Path(tmp) / base.sdist
         if result.returncode != 0 or not got_path.exists():
             detail = (result.stderr.strip().splitlines() or ["no output"])[-1]

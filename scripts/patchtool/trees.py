@@ -180,21 +180,24 @@ def materialize(
     return tree
 
 
-def ensure_trees(root: Path = REPO_ROOT) -> tuple[Path, Path]:
-    """(base tree, patched tree) under .build/trees, what tests and the report run against.
+def ensure_trees(root: Path = REPO_ROOT, version: Optional[str] = None) -> tuple[Path, Path]:
+    """(base tree, patched tree) of a pinned base under .build/trees, what tests and the report
+    run against (default: the primary base).
 
     The base tree is the pristine sdist plus this repo's new modules (no series). Each tree's
     directory is named by its version label, so a changed series or module gets a fresh one;
-    trees of other labels are removed.
+    trees of other labels of the same base version are removed, other bases' trees are kept.
     """
     trees_dir = root / ".build" / "trees"
-    base, patched = load_tree(series=False, root=root), load_tree(root=root)
+    base = load_tree(version, series=False, root=root)
+    patched = load_tree(version, root=root)
     wanted = {f"base-{base.version}": base, patched.version: patched}
     for name, tree in wanted.items():
         if not (trees_dir / name).exists():
             log(f"materializing {trees_dir / name}")
             write_tree_atomic(tree.files, trees_dir / name)
+    same_base = (f"base-{base.base.version}", f"{base.base.version}+")
     for old in trees_dir.iterdir():
-        if old.name not in wanted:
+        if old.name not in wanted and old.name.startswith(same_base):
             shutil.rmtree(old, ignore_errors=True)
     return trees_dir / f"base-{base.version}", trees_dir / patched.version

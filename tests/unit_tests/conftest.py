@@ -24,8 +24,58 @@ if PATCHED_TREE:
     sys.path.insert(0, PATCHED_TREE)
 
 
+# The release tests that run against every pinned base (`scripts/run-tests` runs them with
+# `-m backport` on each backport series' trees): one case per fix of the series, node-id
+# prefixes. A prefix that matches nothing fails the collection, so a rename cannot silently
+# drop a backport's coverage.
+BACKPORT_CASES = (
+    "transformer/moe/test_cpu_guards.py::",
+    "transformer/moe/test_dispatcher_state_release.py::test_nothing_of_the_forward_outlives_"
+    "backward[flex-hybridep-ep2-",
+    "transformer/moe/test_dispatcher_state_release.py::test_nothing_of_the_forward_outlives_"
+    "backward[flex-deepep-ep2-",
+    "transformer/moe/test_dispatcher_state_release.py::test_nothing_of_the_forward_outlives_"
+    "backward[alltoall-dropless-ep2-",
+    "transformer/moe/test_dispatcher_state_release.py::test_nothing_of_the_forward_outlives_"
+    "backward[allgather-ep2-",
+    "transformer/moe/test_dispatcher_state_release.py::test_bitwise_equal_to_base[flex-hybridep-"
+    "ep2-",
+    "transformer/moe/test_comm_buffers.py::test_destroy_model_parallel_releases_the_buffer[",
+    "transformer/moe/test_comm_buffers.py::test_growth_never_holds_two_buffers[",
+    "transformer/moe/test_comm_buffers.py::test_hybridep_buffer_rebinds_after_reinitialization"
+    "[new-ep2]",
+    "a2a_overlap/test_a2a_overlap_schedule.py::test_finished_layer_holds_nothing[hybridep-",
+    "a2a_overlap/test_a2a_overlap_schedule.py::test_chunk_state_released_after_backward[hybridep-",
+    "a2a_overlap/test_stream_care.py::",
+)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long multi-rank variants, not run by default")
+    config.addinivalue_line(
+        "markers", "backport: release tests that also run against every backport series"
+    )
+
+
+def _backport_prefix(item) -> str:
+    nodeid = item.nodeid
+    cut = nodeid.find("unit_tests/")
+    return nodeid[cut + len("unit_tests/") :] if cut >= 0 else nodeid
+
+
+def pytest_collection_modifyitems(config, items):
+    matched = set()
+    for item in items:
+        rel = _backport_prefix(item)
+        for prefix in BACKPORT_CASES:
+            if rel.startswith(prefix):
+                item.add_marker(pytest.mark.backport)
+                matched.add(prefix)
+    marker = config.getoption("-m") or ""
+    if "backport" in marker and not config.getoption("collectonly"):
+        missing = [p for p in BACKPORT_CASES if p not in matched]
+        if missing:
+            raise pytest.UsageError(f"BACKPORT_CASES entries match no test: {missing}")
 
 
 def _require(tree, name):
