@@ -281,7 +281,6 @@ def rank_train(
     ep,
     recompute,
     compile_=False,
-    release=None,
     steps=2,
     tp=1,
     variant=None,
@@ -295,8 +294,6 @@ def rank_train(
 
     _setup(ep, tp)
     extra = dict(VARIANTS[variant]) if variant else {}
-    if release is not None:
-        extra["moe_release_dispatcher_state_after_combine"] = release
     layers = _build_layers(dispatcher, backend, ep, recompute=recompute, tp=tp, **extra)
     runners = layers
     if compile_:
@@ -470,20 +467,6 @@ def rank_exception(dispatcher, backend, ep, in_recompute=False):
         time.sleep(0.05)
         alive = tracker.alive()
     return {"alive": alive, "held": held}
-
-
-def rank_config_without_field():
-    """A TransformerConfig that lacks the release switch in its instance dict, as one
-    unpickled from an unpatched megatron-core does: the layer trains and releases."""
-    _setup(1)
-    (layer,) = _build_layers("flex", "hybridep", 1, num_layers=1)
-    configs = {id(c): c for c in (layer.config, layer.token_dispatcher.config)}
-    for config in configs.values():
-        config.__dict__.pop("moe_release_dispatcher_state_after_combine", None)
-    x = _input().requires_grad_()
-    out, _ = layer(x)
-    (out.float() ** 2).sum().backward()
-    return {"held": held_state_bytes(layer.token_dispatcher), "grad": x.grad is not None}
 
 
 def rank_static_budget(ep, tokens=8):
@@ -685,25 +668,17 @@ def _train_modes(tree, dispatcher, backend, ep, tp=1, variant=None):
     return run_distributed(f"{THIS}:rank_train_modes", ep * tp, tree, kwargs, timeout=600)
 
 
-def _train(
-    tree, dispatcher, backend, ep, recompute, compile_=False, release=None, tp=1, variant=None
-):
-    if not compile_ and release is None:
+def _train(tree, dispatcher, backend, ep, recompute, compile_=False, tp=1, variant=None):
+    if not compile_:
         modes = _train_modes(tree, dispatcher, backend, ep, tp, variant)
         return [res[recompute] for res in modes]
-    return _train_one(tree, dispatcher, backend, ep, recompute, compile_, release)
+    return _train_one(tree, dispatcher, backend, ep, recompute, compile_)
 
 
 @functools.cache
-def _train_one(tree, dispatcher, backend, ep, recompute, compile_=False, release=None):
-    kwargs = dict(
-        dispatcher=dispatcher,
-        backend=backend,
-        ep=ep,
-        recompute=recompute,
-        compile_=compile_,
-        release=release,
-    )
+def _train_one(tree, dispatcher, backend, ep, recompute, compile_=False):
+    kwargs = dict(dispatcher=dispatcher, backend=backend, ep=ep, recompute=recompute)
+    kwargs["compile_"] = compile_
     return run_distributed(f"{THIS}:rank_train", ep, tree, kwargs, timeout=600)
 
 
@@ -797,14 +772,6 @@ def test_tp2_sequence_parallel(dispatcher, backend, ep, recompute):
     _assert_released(dispatcher, patched)
     for p, b in zip(patched, _train(BASE_TREE, dispatcher, backend, ep, recompute, tp=2)):
         _assert_bitwise(p, b)
-
-
-@needs_tree
-def test_switch_off_keeps_the_old_behaviour():
-    """moe_release_dispatcher_state_after_combine=False keeps the state until the next forward."""
-    res = _train(PATCHED_TREE, "flex", "hybridep", 1, "moe_layer_recompute", release=False)[0]
-    assert all(b > 0 for b in res["held_bytes"])
-    assert res["alive"]["probs"] > 0 and res["alive"]["input_grad"] > 0
 
 
 # (dispatcher, backend, EP, variant): each variant with each dispatcher it applies to, at EP2.
@@ -953,13 +920,6 @@ def test_exception_mid_forward_pins_nothing(dispatcher, backend, ep, in_recomput
         assert alive == dict.fromkeys(alive, 0), alive
 
 
-@needs_tree
-def test_config_without_the_field_still_releases():
-    """The switch is read with a default: a config lacking it trains and releases."""
-    (res,) = run_distributed(f"{THIS}:rank_config_without_field", 1, PATCHED_TREE)
-    assert res["grad"] and res["held"] == 0
-
-
 @needs_base
 def test_hybridep_static_budget_releases():
     """HybridEP with the static budget (moe_expert_rank_capacity_factor): after combine and
@@ -1032,36 +992,3 @@ def test_manager_release_without_bootstrap():
 # --------------------------------------------------------------------------------------------
 # Numbers for the patch notes: bytes held per layer and step time, base vs patched.
 # --------------------------------------------------------------------------------------------
-
-
-def rank_timing(dispatcher, backend, ep, steps=48, tokens=256, num_layers=4, start_on=False):
-    """Steps with the release off and on interleaved in blocks of two (same process, same
-    layers). Only the second step of a block is timed: in steady state either setting frees
-    one step's state per step (on: in its own combine; off: in the next setup_metadata), which
-    the first step after a switch does not. Returns step times and the bytes each layer's
-    dispatcher holds after a step, per setting."""
-    import torch
-
-    _setup(ep)
-    layers = _build_layers(
-        dispatcher, backend, ep, num_layers=num_layers, recompute="moe_layer_recompute"
-    )
-    config = layers[0].config
-    times, held = {False: [], True: []}, {}
-    for step in range(steps):
-        release = bool(step // 2 % 2) != start_on
-        config.moe_release_dispatcher_state_after_combine = release
-        for layer in layers:
-            layer.token_dispatcher.config.moe_release_dispatcher_state_after_combine = release
-        x = _input(seed=step, tokens=tokens).requires_grad_()
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        out = _run_stack(layers, x, "moe_layer_recompute")
-        (out.float() ** 2).sum().backward()
-        torch.distributed.barrier()
-        if step >= 2 and step % 2:
-            times[release].append(time.perf_counter() - start)
-        del x, out
-        gc.collect()
-        held[release] = [held_state_bytes(layer.token_dispatcher) for layer in layers]
-    return {"times": times, "held": held}
