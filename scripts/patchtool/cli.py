@@ -36,7 +36,7 @@ from .pins import load_pins
 from .repo import overlay_files, read_series
 from .sdist import fetch_sdist, read_sdist
 from .trees import MANIFEST_PATH, ensure_trees, load_tree, materialize
-from .upstream import check_export, export_upstream, identity
+from .upstream import check_export, export_upstream, identity, target_series
 
 
 def _cmd_fetch(args: argparse.Namespace) -> int:
@@ -154,12 +154,12 @@ def _cmd_landed(args: argparse.Namespace) -> int:
 
 def _cmd_upstream(args: argparse.Namespace) -> int:
     ident = identity()
-    series = read_series(load_pins().get(None))
+    series = target_series(args.target)
     paths = export_upstream(args.target, series, Path(args.outdir), ident, args.topic)
     print(f"wrote {len(paths)} {args.topic} patches for {args.target} to {args.outdir}, "
           f"signed off by {ident[0]} <{ident[1]}>")  # fmt: skip
     if args.check:
-        for line in check_export(paths, Path(args.check), args.ref, ident):
+        for line in check_export(paths, Path(args.check), args.ref or args.target, ident):
             print(line)
     return 0
 
@@ -211,13 +211,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "upstream",
         help="export the series for NVIDIA/Megatron-LM: git am-able, DCO-signed, upstream style",
-        description="write the series for TARGET (core_r0.19.0, main; dev and the backport "
-        "branches are refused until their variants exist) as 0001-... mboxes into OUTDIR",
+        description="write the series for TARGET (core_r0.19.0: the primary series; main, dev: "
+        "their variants in patches/upstream/; core_r0.18.0, core_r0.17.0, core_r0.16.0: the "
+        "backport series) as 0001-... mboxes into OUTDIR",
     )
     p.add_argument("target", metavar="TARGET", help="upstream ref the export is for")
     p.add_argument("outdir", metavar="OUTDIR", help="target directory (absent or empty)")
     p.add_argument("--check", metavar="CHECKOUT", help="git am the export onto a clone of it")
-    p.add_argument("--ref", help="ref of CHECKOUT to apply to (default: its HEAD)")
+    p.add_argument("--ref", help="ref of CHECKOUT to apply to (default: TARGET)")
     p.add_argument("--topic", default="memory", choices=("memory", "cpu-import"),
                    help="which PR: the memory release (default) or the CPU-import fix")  # fmt: skip
     p.set_defaults(func=_cmd_upstream)

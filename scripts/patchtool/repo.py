@@ -15,11 +15,19 @@ OVERLAY_DIRS = ("megatron/core/transformer/moe",)
 
 
 def read_series(base: Base, root: Path = REPO_ROOT) -> list[tuple[str, bytes]]:
-    """(name, mbox bytes) of the series, checked for missing and unlisted files."""
+    """(name, mbox bytes) of a base's series, checked for missing and unlisted files."""
     sdir = base.series_dir(root)
+    if not (sdir / "series").exists():
+        raise UserError(f"{sdir / 'series'}: no series file for base {base.version}")
+    return read_series_dir(sdir)
+
+
+def read_series_dir(sdir: Path) -> list[tuple[str, bytes]]:
+    """(name, mbox bytes) of the series in directory ``sdir`` (its ``series`` file and mboxes),
+    checked for missing and unlisted files."""
     series_file = sdir / "series"
     if not series_file.exists():
-        raise UserError(f"{series_file}: no series file for base {base.version}")
+        raise UserError(f"{series_file}: no series file")
     names = parse_series(series_file.read_text(), str(series_file))
     missing = [n for n in names if not (sdir / n).is_file()]
     if missing:

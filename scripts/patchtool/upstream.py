@@ -22,21 +22,24 @@ from typing import Optional
 
 from .common import REPO_ROOT, UserError
 from .patches import Patch, parse_patch
+from .pins import load_pins
+from .repo import read_series, read_series_dir
 
-# Targets whose code the primary series (over the 0.19.2 sdist) applies to.
-PRIMARY_TARGETS = ("core_r0.19.0", "main")
-PENDING_TARGETS = {
-    "dev": "dev's #5869 defines reset_transient_forward_state/_TRANSIENT_FORWARD_ATTRS itself; "
-    "a dev variant building on that API is not written yet",
-    "core_r0.18.0": "no backport series yet (patches/backports/core_r0.18.0)",
-    "core_r0.17.0": "no backport series yet (patches/backports/core_r0.17.0)",
-    "core_r0.16.0": "no backport series yet (patches/backports/core_r0.16.0)",
-}
-OVERLAY_TRAILERS = ("Forwarded", "Applied-Upstream", "Origin", "Signed-off-by")
+# Targets whose code the primary series (over the 0.19.2 sdist) applies to as it is.
+PRIMARY_TARGETS = ("core_r0.19.0",)
+# Targets whose code moved: a variant of the whole series, written for that ref, lives in
+# patches/upstream/<target>/ (series + mboxes, subjects as in the primary series).
+VARIANT_TARGETS = ("main", "dev")
+VARIANTS_DIR = REPO_ROOT / "patches" / "upstream"
+# Release branches: the backport series of the pinned base whose `branch` this is.
+BACKPORT_TARGETS = ("core_r0.18.0", "core_r0.17.0", "core_r0.16.0")
+OVERLAY_TRAILERS = ("Forwarded", "Applied-Upstream", "Origin", "Backport-Of", "Signed-off-by")
 # Upstream takes separate topics as separate PRs: the CPU-import fix is one, the memory release
 # (every other patch; none depends on it) another.
 TOPICS = ("memory", "cpu-import")
-CPU_IMPORT_SUBJECT = "[MoE] Let the MoE dispatcher path import and build without CUDA"
+# The CPU-import fix's subject, as the primary series and (inside `cp: `...``) the backports
+# spell it.
+CPU_IMPORT_TITLE = "et the MoE dispatcher path import and build without CUDA"
 PLACEHOLDER_EMAILS = ("maintainers@moe-release.invalid",)
 
 
@@ -58,7 +61,10 @@ def identity(repo: Path = REPO_ROOT) -> tuple[str, str]:
 
 
 def upstream_subject(subject: str) -> str:
-    """``[MoE] Release x`` -> ``fix(moe): release x`` (acronyms keep their case)."""
+    """``[MoE] Release x`` -> ``fix(moe): release x`` (acronyms keep their case); a backport's
+    ``cp: `...` into `branch``` subject is already upstream's and is kept."""
+    if subject.startswith("cp: `"):
+        return subject
     text = re.sub(r"^\[MoE\]\s*", "", subject).strip()
     first = text.split(" ", 1)[0]
     if not (len(first) > 1 and (first.isupper() or any(c.isdigit() for c in first))):
@@ -83,8 +89,30 @@ def topic_series(series: list[tuple[str, bytes]], topic: str) -> list[tuple[str,
     """The patches of one upstream PR: ``cpu-import`` or ``memory`` (all the others)."""
     if topic not in TOPICS:
         raise UserError(f"unknown topic {topic!r} (one of {', '.join(TOPICS)})")
-    cpu = [(n, d) for n, d in series if parse_patch(d, n).subject == CPU_IMPORT_SUBJECT]
+    cpu = [(n, d) for n, d in series if CPU_IMPORT_TITLE in parse_patch(d, n).subject]
     return cpu if topic == "cpu-import" else [item for item in series if item not in cpu]
+
+
+def target_series(target: str, root: Path = REPO_ROOT) -> list[tuple[str, bytes]]:
+    """The series that applies to upstream ``target``: the primary series, the target's variant
+    (patches/upstream/<target>/) or the backport series of the base pinned to that branch."""
+    pins = load_pins(root / "patches" / "pins.toml")
+    if target in PRIMARY_TARGETS:
+        return read_series(pins.get(None), root)
+    if target in VARIANT_TARGETS:
+        vdir = root / "patches" / "upstream" / target
+        if not (vdir / "series").exists():
+            raise UserError(f"upstream {target}: no variant series ({vdir / 'series'})")
+        return read_series_dir(vdir)
+    if target in BACKPORT_TARGETS:
+        base = next((b for b in pins.bases.values() if b.branch == target), None)
+        if base is None:
+            raise UserError(f"upstream {target}: no base in patches/pins.toml has that branch")
+        if not (base.series_dir(root) / "series").exists():
+            raise UserError(f"upstream {target}: no backport series yet ({base.series})")
+        return read_series(base, root)
+    known = ", ".join(PRIMARY_TARGETS + VARIANT_TARGETS + BACKPORT_TARGETS)
+    raise UserError(f"unknown target {target!r} (one of {known})")
 
 
 def export_upstream(
@@ -96,11 +124,6 @@ def export_upstream(
 ) -> list[Path]:
     """Write one topic of the series for ``target`` as ``git am``-able mboxes into ``outdir``
     (absent or empty); returns their paths."""
-    if target in PENDING_TARGETS:
-        raise UserError(f"upstream {target}: {PENDING_TARGETS[target]}")
-    if target not in PRIMARY_TARGETS:
-        known = ", ".join(PRIMARY_TARGETS + tuple(PENDING_TARGETS))
-        raise UserError(f"unknown target {target!r} (one of {known})")
     if outdir.exists() and (not outdir.is_dir() or any(outdir.iterdir())):
         raise UserError(f"{outdir}: target exists and is not empty")
     series = topic_series(series, topic)

@@ -21,7 +21,7 @@ from patchtool.patches import (
     series_header,
     stamp_package_info,
 )
-from patchtool.pins import Base, parse_pins
+from patchtool.pins import Base, load_pins, parse_pins
 from patchtool.sdist import fetch_sdist
 from patchtool.trees import (
     MANIFEST_PATH,
@@ -431,7 +431,10 @@ def test_user_error_is_one_line_without_traceback(tmp_path):
 def test_cli_check_and_label():
     result = cli("check")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "0.19.2: OK" in result.stdout and "0.18.2: no series yet" in result.stdout
+    # Every pinned base: its series checks OK (or, for a backport not written yet, says so).
+    for version in load_pins().bases:
+        assert f"{version}: OK" in result.stdout or f"{version}: no series yet" in result.stdout
+    assert "0.19.2: OK" in result.stdout
     label = cli("label").stdout.strip()
     assert label == load_tree().version
 
@@ -439,8 +442,12 @@ def test_cli_check_and_label():
 def test_trees_are_made_once_per_label_and_stale_ones_removed(repo):
     stale = repo / ".build" / "trees" / "0.19.2+moerelease.0.stale"
     stale.mkdir(parents=True)
+    other_base = repo / ".build" / "trees" / "0.18.2+moerelease.3.other"
+    other_base.mkdir(parents=True)
     base, patched = ensure_trees(root=repo)
     assert not stale.exists()
+    # Another base's trees are not this base's stale ones.
+    assert other_base.exists()
     assert base.name == "base-" + load_tree(series=False, root=repo).version
     assert patched.name == load_tree(root=repo).version
     assert (patched / MANIFEST_PATH).exists() and (base / MANIFEST_PATH).exists()

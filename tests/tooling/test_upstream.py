@@ -1,19 +1,23 @@
 """`moe_release.py upstream`: the series in upstream's conventions, applied with git am."""
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from patchtool.common import UserError
-from patchtool.patches import parse_patch
+from patchtool.common import REPO_ROOT, UserError
+from patchtool.patches import check_trailers, parse_patch
+from patchtool.pins import load_pins
 from patchtool.repo import read_series
 from patchtool.upstream import (
-    CPU_IMPORT_SUBJECT,
+    CPU_IMPORT_TITLE,
+    VARIANT_TARGETS,
     check_export,
     export_upstream,
     identity,
+    target_series,
     topic_series,
     upstream_message,
     upstream_subject,
@@ -76,7 +80,7 @@ def test_conventional_subject(subject, expected):
 def test_topics_split_the_series(base):
     series = read_series(base)
     cpu, memory = topic_series(series, "cpu-import"), topic_series(series, "memory")
-    assert [parse_patch(d, n).subject for n, d in cpu] == [CPU_IMPORT_SUBJECT]
+    assert [parse_patch(d, n).subject for n, d in cpu] == [f"[MoE] L{CPU_IMPORT_TITLE}"]
     assert len(memory) == len(series) - 1 and cpu[0] not in memory
     with pytest.raises(UserError, match="unknown topic 'docs'"):
         topic_series(series, "docs")
@@ -103,22 +107,51 @@ def test_export_strips_overlay_trailers_and_signs_off(tmp_path, base, topic):
 @pytest.mark.parametrize(
     "target,message",
     [
-        ("dev", "dev's #5869 defines reset_transient_forward_state"),
-        ("core_r0.18.0", "no backport series yet"),
         ("core_r0.9.0", "unknown target 'core_r0.9.0'"),
+        ("release", "unknown target 'release'"),
     ],
 )
-def test_export_refuses_targets_without_a_series(tmp_path, base, target, message):
+def test_export_refuses_unknown_targets(target, message):
     with pytest.raises(UserError, match=message):
-        export_upstream(target, read_series(base), tmp_path / "out", IDENT)
-    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
+        target_series(target)
+
+
+def test_backport_target_without_a_series_is_refused(tmp_path):
+    """A release branch whose pinned base has no backport series yet is named as such."""
+    shutil.copytree(REPO_ROOT / "patches", tmp_path / "patches")
+    shutil.rmtree(tmp_path / "patches" / "backports", ignore_errors=True)
+    with pytest.raises(UserError, match=r"core_r0.18.0: no backport series yet"):
+        target_series("core_r0.18.0", root=tmp_path)
+
+
+def test_target_series():
+    """core_r0.19.0 takes the primary series; main and dev their variants, which carry every
+    topic of the primary series (the same subjects), with the overlay's trailers."""
+    primary = [parse_patch(d, n).subject for n, d in target_series("core_r0.19.0")]
+    assert primary == [parse_patch(d, n).subject for n, d in read_series(load_pins().get(None))]
+    for target in VARIANT_TARGETS:
+        series = target_series(target)
+        assert sorted(parse_patch(d, n).subject for n, d in series) == sorted(primary), target
+        for name, data in series:
+            assert not check_trailers(parse_patch(data, name)), (target, name)
+    # The variants differ from the primary series where the target's code moved.
+    ours = dict(read_series(load_pins().get(None)))
+    for target in VARIANT_TARGETS:
+        changed = [n for n, d in target_series(target) if _diff(d) != _diff(ours[n])]
+        assert changed, f"the {target} variant is the primary series"
+
+
+def _diff(data: bytes) -> bytes:
+    """The hunks of a patch without its index lines (blob ids differ between bases)."""
+    diff = data[data.index(b"\ndiff --git ") :]
+    return b"\n".join(line for line in diff.split(b"\n") if not line.startswith(b"index "))
 
 
 def test_export_refuses_a_nonempty_target(tmp_path, base):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep").write_text("x")
     with pytest.raises(UserError, match="not empty"):
-        export_upstream("main", read_series(base), tmp_path / "out", IDENT)
+        export_upstream("core_r0.19.0", read_series(base), tmp_path / "out", IDENT)
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep"]
 
 
