@@ -19,7 +19,8 @@ import torch
 from cpu_runtime.compat import host_stream_torch, host_zeros
 from cpu_runtime.host_streams import HOST_STREAMS, HostStream, install_record_stream_stand_in
 
-# The modules of the overlap path that call torch.cuda's stream API.
+# The modules of the overlap path that call torch.cuda's stream API (where a base has them:
+# upstream dev moved models.common.utils' schedule nodes into fine_grained_callables).
 STREAM_MODULES = (
     "megatron.core.pipeline_parallel.utils",
     "megatron.core.pipeline_parallel.combined_1f1b",
@@ -42,7 +43,12 @@ def install_overlap_cpu_shim() -> List[str]:
     install_record_stream_stand_in()
     changed = []
     for name in STREAM_MODULES + DEVICE_MODULES:
-        module = importlib.import_module(name)
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:  # the module exists but fails to import
+                raise
+            continue
         if getattr(module, "_moe_release_host_streams", False):
             continue
         extra = {"zeros": host_zeros} if name in DEVICE_MODULES else {}
@@ -204,7 +210,10 @@ def overlap_run(cfg: Dict[str, Any]) -> Dict[str, Any]:
 
 # What a finished layer may still hold, per holder: the layer state's attributes and, per
 # schedule node, what detach() kept and the node's inputs and output.
-NODE_NAMES = ("pre_dispatch_computation", "moe_dispatch", "mlp", "moe_combine")
+# A layer plan's nodes in forward order; the first one's backward finishes the layer (upstream
+# dev names it "attn", 0.19 "pre_dispatch_computation").
+NODE_NAMES = ("pre_dispatch_computation", "attn", "moe_dispatch", "mlp", "moe_combine")
+FIRST_NODE_NAMES = ("pre_dispatch_computation", "attn")
 NODE_HOLDERS = ("before_detached", "detached", "inputs", "output")
 
 
@@ -277,7 +286,11 @@ class OverlapWatch:
         import weakref
 
         from megatron.core.models.common import model_chunk_schedule_plan as mcsp
-        from megatron.core.models.common import utils as mcu
+
+        try:
+            from megatron.core.models.common.utils import TransformerLayerNode
+        except ImportError:  # upstream dev moved the schedule nodes into fine_grained_callables
+            from megatron.core.models.gpt.fine_grained_callables import TransformerLayerNode
 
         self.weakref = weakref
         self.counter = counter
@@ -335,7 +348,7 @@ class OverlapWatch:
             def backward(node, *grads):
                 info = watch._layer_info.get(id(node.layer_state))
                 out = original(node, *grads)
-                if node.name == "pre_dispatch_computation" and info is not None:
+                if node.name in FIRST_NODE_NAMES and info is not None:
                     watch._layer_finished(info)
                 return out
 
@@ -353,8 +366,8 @@ class OverlapWatch:
         wrap(mcsp.TransformerModelChunkSchedulePlan, "__init__", chunk_init)
         wrap(mcsp.TransformerModelChunkSchedulePlan, "run", chunk_run)
         wrap(mcsp.TransformerLayerSchedulePlan, "__init__", layer_init)
-        wrap(mcu.TransformerLayerNode, "forward", node_forward)
-        wrap(mcu.TransformerLayerNode, "backward", node_backward)
+        wrap(TransformerLayerNode, "forward", node_forward)
+        wrap(TransformerLayerNode, "backward", node_backward)
 
     def close(self) -> None:
         for cls, name, original in reversed(self._saved):

@@ -52,6 +52,12 @@ def check(obj, attrs):
         assert getattr(obj, attr) is None, attr
         assert (id(t), "comm") in recorded, f"{type(obj).__name__}.{attr} not recorded"
     assert len(recorded) == len(tensors), recorded
+
+def set_per_forward(cls, attrs):
+    # The attributes of ``attrs`` this base's class sets (older branches lack some).
+    import inspect
+    source = inspect.getsource(cls)
+    return [a for a in attrs if f"self.{a} =" in source or f"self.{a}:" in source]
 """
 
 CASES = {
@@ -69,12 +75,16 @@ CASES = {
     "hybridep": """
         m = object.__new__(td._HybridEPManager)
         m.drop_and_pad = False
-        check(m, list(td._HybridEPManager._transient_forward_attrs)
-              + ["tokens_per_expert", "num_permuted_tokens"])
+        check(m, set_per_forward(td._HybridEPManager, [
+            "routing_map", "token_probs", "dispatched_probs", "handle", "_original_num_tokens",
+            "_padded_num_tokens", "tokens_per_expert", "num_permuted_tokens"]))
         """,
     "deepep": """
         m = object.__new__(td._DeepepManager)
-        check(m, list(td._DeepepManager._transient_forward_attrs))
+        check(m, set_per_forward(td._DeepepManager, [
+            "token_probs", "token_indices", "handle", "tokens_per_expert", "dispatched_indices",
+            "dispatched_probs", "dispatched_routing_map", "reversed_mapping_for_combine",
+            "pad_offsets"]))
         """,
 }
 
