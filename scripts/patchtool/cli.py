@@ -140,11 +140,15 @@ def _cmd_label(args: argparse.Namespace) -> int:
 
 
 def _cmd_landed(args: argparse.Namespace) -> int:
-    base = load_pins().get(args.base)
-    patches = [parse_patch(data, name) for name, data in read_series(base)]
+    if args.target:
+        series, what = target_series(args.target), f"upstream {args.target} series"
+    else:
+        base = load_pins().get(args.base)
+        series, what = read_series(base), f"series for {base.version}"
+    patches = [parse_patch(data, name) for name, data in series]
     checkout = Path(args.checkout)
     states = landed_states(checkout, patches)
-    print(f"series for {base.version} against {checkout}:")
+    print(f"{what} against {checkout}:")
     for state in states:
         print(f"  {state.verdict:22} {state.name} ({state.counts()})")
     landed = [s.name for s in states if s.verdict == "landed"]
@@ -207,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_label)
     p = verb("landed", "report which patches a newer checkout already contains (rebase aid)")
     p.add_argument("checkout", metavar="CHECKOUT", help="a tree holding megatron/core")
+    p.add_argument("--target", help="check the series `upstream TARGET` exports (e.g. dev)")
     p.set_defaults(func=_cmd_landed)
     p = sub.add_parser(
         "upstream",

@@ -70,3 +70,12 @@ def test_not_a_checkout(tmp_path, capsys):
         landed_states(tmp_path, [])
     assert cli.main(["landed", str(tmp_path)]) == 2
     assert "not a checkout (no megatron/core in it)" in capsys.readouterr().err
+
+
+def test_landed_for_an_upstream_target(tmp_path, base, base_files, capsys):
+    """--target checks the series `upstream TARGET` exports (core_r0.19.0: the primary one)."""
+    root = _checkout(tmp_path, base, base_files, read_series(base))
+    assert cli.main(["landed", "--target", "core_r0.19.0", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("upstream core_r0.19.0 series against")
+    assert f"{len(read_series(base))} of {len(read_series(base))} landed" in out
