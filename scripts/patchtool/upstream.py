@@ -41,6 +41,10 @@ TOPICS = ("memory", "cpu-import")
 # spell it.
 CPU_IMPORT_TITLE = "et the MoE dispatcher path import and build without CUDA"
 PLACEHOLDER_EMAILS = ("maintainers@moe-release.invalid",)
+# Files added to upstream as they are (upstream-layout tests), and the message of the patch that
+# adds them at the end of the memory topic (first line: its subject).
+UPSTREAM_FILES_DIR = "patches/upstream"
+UPSTREAM_TESTS_MESSAGE = "patches/upstream/tests-message.txt"
 
 
 def identity(repo: Path = REPO_ROOT) -> tuple[str, str]:
@@ -115,6 +119,38 @@ def target_series(target: str, root: Path = REPO_ROOT) -> list[tuple[str, bytes]
     raise UserError(f"unknown target {target!r} (one of {known})")
 
 
+def upstream_test_files(root: Path = REPO_ROOT) -> dict[str, bytes]:
+    """The upstream-layout test files under ``patches/upstream/tests``, by their path in
+    Megatron-LM (``tests/...``)."""
+    top = root / UPSTREAM_FILES_DIR
+    files = sorted(p for p in (top / "tests").rglob("*.py") if "__pycache__" not in p.parts)
+    return {p.relative_to(top).as_posix(): p.read_bytes() for p in files}
+
+
+def new_files_diff(files: dict[str, bytes]) -> bytes:
+    """A ``git apply``-able diff that adds ``files`` (path -> content, text) as new files."""
+    out = []
+    for rel, data in sorted(files.items()):
+        lines = data.decode().splitlines(keepends=True)
+        span = "1" if len(lines) == 1 else f"1,{len(lines)}"
+        out.append(f"diff --git a/{rel} b/{rel}\nnew file mode 100644\n--- /dev/null\n")
+        out.append(f"+++ b/{rel}\n@@ -0,0 +{span} @@\n")
+        out += ["+" + line for line in lines]
+        if lines and not lines[-1].endswith("\n"):
+            out.append("\n\\ No newline at end of file\n")
+    return "".join(out).encode()
+
+
+def _tests_patch(date: str, root: Path = REPO_ROOT) -> Optional[tuple[str, str, bytes]]:
+    """(subject, message, diff) of the patch adding the upstream-layout tests, or None."""
+    files = upstream_test_files(root)
+    if not files:
+        return None
+    text = (root / UPSTREAM_TESTS_MESSAGE).read_text().strip("\n")
+    subject, _, body = text.partition("\n")
+    return subject.strip(), body.strip("\n"), new_files_diff(files)
+
+
 def export_upstream(
     target: str,
     series: list[tuple[str, bytes]],
@@ -128,7 +164,9 @@ def export_upstream(
         raise UserError(f"{outdir}: target exists and is not empty")
     series = topic_series(series, topic)
     name, email = ident
-    total = len(series)
+    last_date = parse_patch(series[-1][1], series[-1][0]).date if series else ""
+    tests = _tests_patch(last_date) if topic == "memory" else None
+    total = len(series) + (1 if tests else 0)
     staged = Path(
         tempfile.mkdtemp(prefix=".upstream-", dir=outdir.parent if outdir.parent.exists() else None)
     )
@@ -146,6 +184,18 @@ def export_upstream(
             body = upstream_message(patch, name, email)
             out = staged / f"{n:04d}-{_slug(subject)}.patch"
             out.write_bytes((head + body + "---\n").encode() + diff)
+            paths.append(out.name)
+        if tests:
+            subject, body, diff = tests
+            n = total
+            head = (
+                "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
+                f"From: {name} <{email}>\nDate: {last_date}\n"
+                f"Subject: [PATCH {n}/{total}] {subject}\n\n"
+            )
+            out = staged / f"{n:04d}-{_slug(subject)}.patch"
+            signoff = f"\n\nSigned-off-by: {name} <{email}>\n"
+            out.write_bytes((head + body + signoff + "---\n").encode() + diff)
             paths.append(out.name)
         if outdir.exists():
             outdir.rmdir()

@@ -21,6 +21,7 @@ from patchtool.upstream import (
     topic_series,
     upstream_message,
     upstream_subject,
+    upstream_test_files,
 )
 
 IDENT = ("Ada Lovelace", "ada@example.com")
@@ -90,10 +91,12 @@ def test_topics_split_the_series(base):
 def test_export_strips_overlay_trailers_and_signs_off(tmp_path, base, topic):
     series = topic_series(read_series(base), topic)
     paths = export_upstream("core_r0.19.0", read_series(base), tmp_path / "out", IDENT, topic)
-    assert [p.name[:5] for p in paths] == [f"{n:04d}-" for n in range(1, len(series) + 1)]
+    # The memory topic ends with the patch adding the upstream-layout tests.
+    total = len(series) + (topic == "memory")
+    assert [p.name[:5] for p in paths] == [f"{n:04d}-" for n in range(1, total + 1)]
     for path, (name, data) in zip(paths, series):
         text = path.read_text()
-        assert f"Subject: [PATCH {paths.index(path) + 1}/{len(series)}] fix(moe): " in text
+        assert f"Subject: [PATCH {paths.index(path) + 1}/{total}] fix(moe): " in text
         assert "From: Ada Lovelace <ada@example.com>" in text
         message = text.split("\n---\n", 1)[0]
         assert "Forwarded:" not in message and "Origin:" not in message
@@ -102,6 +105,26 @@ def test_export_strips_overlay_trailers_and_signs_off(tmp_path, base, topic):
         # The diff is the series' own, byte for byte.
         assert text.encode().endswith(data[data.index(b"\ndiff --git ") + 1 :])
         assert upstream_message(parse_patch(data, name), *IDENT) in text
+
+
+def test_memory_export_adds_the_upstream_layout_tests(tmp_path, base):
+    """The last memory patch adds every file under patches/upstream/tests as a new file, byte
+    for byte, with the exporter's sign-off; the cpu-import topic has no such patch."""
+    paths = export_upstream("main", read_series(base), tmp_path / "out", IDENT)
+    text = paths[-1].read_text()
+    total = len(paths)
+    assert f"Subject: [PATCH {total}/{total}] test(moe): " in text
+    message = text.split("\n---\n", 1)[0]
+    assert message.rstrip().endswith("Signed-off-by: Ada Lovelace <ada@example.com>")
+    files = upstream_test_files()
+    assert "tests/unit_tests/transformer/moe/test_token_dispatcher_state_release.py" in files
+    applied = tmp_path / "applied"
+    applied.mkdir()
+    subprocess.run(["git", "apply", str(paths[-1])], cwd=applied, check=True)
+    got = {p.relative_to(applied).as_posix(): p.read_bytes() for p in applied.rglob("*.py")}
+    assert got == files
+    cpu = export_upstream("main", read_series(base), tmp_path / "cpu", IDENT, "cpu-import")
+    assert "test(moe)" not in "".join(p.read_text() for p in cpu)
 
 
 @pytest.mark.parametrize(
