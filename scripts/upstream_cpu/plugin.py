@@ -13,15 +13,18 @@ rank of ``torch.distributed.run`` runs pytest, as on upstream's CI), before upst
 * **Placement.** ``Tensor.cuda()``/``Module.cuda()`` keep tensors on the host; a
   ``TorchFunctionMode`` turns every ``device=`` naming CUDA (``"cuda"``, ``"cuda:N"``, a CUDA
   ``torch.device``, a bare index as from ``torch.cuda.current_device()``) and ``Tensor.to``'s
-  CUDA targets into ``"cpu"``, and drops ``pin_memory``.
+  CUDA targets into ``"cpu"``, and drops ``pin_memory``; ``Tensor.to`` is also wrapped
+  directly, because the mode is not active where the autograd engine runs a backward (a
+  checkpoint's recompute).
 * **The device API.** ``set_device`` and ``synchronize`` are no-ops, ``current_device()`` is
   ``0``, ``device_count()`` the local world size; streams and events are the host stand-ins of
   :mod:`cpu_runtime.host_streams`; the CUDA RNG calls use a host generator
   (:func:`cpu_runtime.compat.install_cpu_rng_shim` for ``tensor_parallel.random``).
 * **Communication.** ``nccl`` process groups are created as ``gloo`` (``device_ids`` dropped
   from barriers, and group timeouts capped by ``UPSTREAM_CPU_PG_TIMEOUT`` seconds, default 180,
-  so a rank left waiting fails instead of hanging for upstream's 30 minutes); the uneven
-  all-gathers/reduce-scatters NCCL accepts go through the padded stand-ins of
+  so a rank left waiting fails instead of hanging for upstream's 30 minutes), and
+  ``destroy_model_parallel()`` also destroys the groups it forgets (see :func:`destroy_groups`);
+  the uneven all-gathers/reduce-scatters NCCL accepts go through the padded stand-ins of
   :func:`cpu_runtime.compat.install_tensor_parallel_cpu_shim`; the all-to-all dispatcher's
   split sizes arrive as numpy arrays, as its device-to-host copies deliver them on a GPU
   (:func:`cpu_runtime.compat.install_dtoh_stream_cpu_shim`).
@@ -192,8 +195,8 @@ def destroy_groups() -> int:
 
     Every gloo group owns a few threads and sockets; megatron-core's
     ``destroy_model_parallel()`` only forgets its groups, so over a session of tests that each
-    initialize model parallelism (dozens of groups each) eight ranks would pile up thousands of
-    threads on the host. NCCL communicators on a GPU runner cost no host threads.
+    initialize model parallelism (dozens of groups each) eight ranks pile up over a thousand
+    threads each, which on a small host stalls the run.
     """
     n = 0
     while _GROUPS:

@@ -105,16 +105,17 @@ def run_ranks(cmd: List[str], cwd: Path, env: Dict[str, str], timeout: float) ->
         print(f"upstream_cpu: timed out after {timeout:.0f} s; killing the ranks", flush=True)
         return None
     finally:
-        if proc.poll() is None or True:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                deadline = time.monotonic() + 10
-                while time.monotonic() < deadline and _group_alive(proc.pid):
-                    time.sleep(0.2)
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+        # Reap the whole group, also ranks left behind by a launcher that already exited.
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and _group_alive(proc.pid):
+                proc.poll()  # reap the launcher, so its zombie does not count as alive
+                time.sleep(0.2)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
 
 
 def _group_alive(pgid: int) -> bool:
@@ -139,8 +140,9 @@ def _final_outcome(phases: List[dict]) -> tuple:
 
 def _last_error_line(text: str) -> str:
     errors = [ln[1:].strip() for ln in text.splitlines() if ln.startswith("E ")]
-    lines = errors or text.strip().splitlines() or [""]
-    return lines[-1][:300]
+    if errors:
+        return errors[0][:300]
+    return (text.strip().splitlines() or [""])[-1][:300]
 
 
 def aggregate(report_dir: Path, nproc: int) -> Dict[str, dict]:
