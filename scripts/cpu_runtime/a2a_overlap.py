@@ -37,6 +37,7 @@ def install_overlap_cpu_shim() -> List[str]:
 
     Returns the modules changed."""
     import importlib
+    import importlib.util
 
     if torch.cuda.is_available():
         return []
@@ -209,11 +210,10 @@ def overlap_run(cfg: Dict[str, Any]) -> Dict[str, Any]:
 
 
 # What a finished layer may still hold, per holder: the layer state's attributes and, per
-# schedule node, what detach() kept and the node's inputs and output.
-# A layer plan's nodes in forward order; the first one's backward finishes the layer (upstream
-# dev names it "attn", 0.19 "pre_dispatch_computation").
-NODE_NAMES = ("pre_dispatch_computation", "attn", "moe_dispatch", "mlp", "moe_combine")
+# schedule node, what detach() kept and the node's inputs and output. The layer's first node
+# (attention, router, dispatch preprocess) is "attn" on megatron-core 0.16 and upstream dev.
 FIRST_NODE_NAMES = ("pre_dispatch_computation", "attn")
+NODE_NAMES = FIRST_NODE_NAMES + ("moe_dispatch", "mlp", "moe_combine")
 NODE_HOLDERS = ("before_detached", "detached", "inputs", "output")
 
 
@@ -289,7 +289,7 @@ class OverlapWatch:
 
         try:
             from megatron.core.models.common.utils import TransformerLayerNode
-        except ImportError:  # upstream dev moved the schedule nodes into fine_grained_callables
+        except ImportError:  # megatron-core 0.16 and upstream dev
             from megatron.core.models.gpt.fine_grained_callables import TransformerLayerNode
 
         self.weakref = weakref
@@ -305,9 +305,11 @@ class OverlapWatch:
         watch = self
 
         def wrap(cls, name, make):
-            original = cls.__dict__[name]
-            self._saved.append((cls, name, original))
-            setattr(cls, name, make(original))
+            # Inherited (e.g. TransformerLayerNode.forward on megatron-core 0.16): restored by
+            # deleting the wrapper.
+            own = cls.__dict__.get(name)
+            self._saved.append((cls, name, own))
+            setattr(cls, name, make(own if own is not None else getattr(cls, name)))
 
         def chunk_init(original):
             def __init__(plan, *args, **kwargs):
@@ -371,7 +373,10 @@ class OverlapWatch:
 
     def close(self) -> None:
         for cls, name, original in reversed(self._saved):
-            setattr(cls, name, original)
+            if original is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
         self._saved = []
 
     def _after_forward(self, node) -> None:
