@@ -13,7 +13,8 @@ Each kind of help is as narrow as the spot it covers:
 * :func:`install_base_tree_shims` covers, only where the tree still needs it (the pristine
   base; patch 1 fixes both at the source), ``_HybridEPManager.over_budget`` allocated with
   ``device='cuda'`` and ``Router.gating`` moving host weights to
-  ``torch.cuda.current_device()``.
+  ``torch.cuda.current_device()``; on megatron-core 0.16, ``moe_utils.te_general_gemm``, which
+  is undefined without Transformer Engine.
 * :func:`install_dtoh_stream_cpu_shim` runs the all-to-all dispatcher's dropless path and the
   shared-expert overlap: a host stand-in for their side streams and events
   (:class:`HostStream`), with split sizes arriving as numpy arrays as they do from a GPU.
@@ -132,13 +133,20 @@ def host_zeros(*args, device=None, **kwargs) -> torch.Tensor:
 
 
 def install_base_tree_shims() -> list:
-    """Cover the two CUDA-only spots patch 1 fixes, only when the tree lacks the fix.
+    """Cover the spots patch 1 fixes, only when the tree lacks the fix: the two CUDA-only ones
+    and, on megatron-core 0.16, ``moe_utils.te_general_gemm`` left undefined without
+    Transformer Engine (the router's gating linear reads it; patch 1 makes it None there).
 
     Returns the names of the shims installed (empty on the patched tree).
     """
-    if torch.cuda.is_available():
-        return []
     installed = []
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+        installed.append("te_general_gemm")
+    if torch.cuda.is_available():
+        return installed
     if _needs_over_budget_shim():
         from megatron.core.transformer.moe import token_dispatcher
 
