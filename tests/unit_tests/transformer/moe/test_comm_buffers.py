@@ -134,7 +134,9 @@ def rank_growth(backend: str):
     def make(size: int):
         if backend == "deepep":
             return fused_a2a.get_buffer(group, hidden_bytes=size)
-        fused_a2a.init_hybrid_ep_buffer(group, size, TOKENS, 2)
+        # The SM counts and fp8_dispatch have no defaults on megatron-core 0.16.
+        defaults = dict(num_sms_dispatch_api=None, num_sms_combine_api=None, fp8_dispatch=False)
+        fused_a2a.init_hybrid_ep_buffer(group, size, TOKENS, 2, **defaults)
         return fused_a2a._hybrid_ep_buffer
 
     old = make(32).memory.nbytes

@@ -89,9 +89,7 @@ def _setup(ep, tp=1):
 
 def _build_layers(dispatcher, backend, ep, num_layers=NUM_LAYERS, recompute="none", tp=1, **extra):
     import torch
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
     from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.spec_utils import get_submodules
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs = dict(
@@ -117,9 +115,7 @@ def _build_layers(dispatcher, backend, ep, num_layers=NUM_LAYERS, recompute="non
         kwargs.update(moe_expert_capacity_factor=2.0, moe_pad_expert_input_to_capacity=True)
     kwargs.update(extra)
     config = TransformerConfig(**kwargs)
-    submodules = get_submodules(
-        get_gpt_layer_local_submodules(num_experts=4, moe_grouped_gemm=False).mlp
-    )
+    submodules = _local_moe_submodules()
     torch.manual_seed(4321)
     layers = []
     for i in range(num_layers):
@@ -128,6 +124,21 @@ def _build_layers(dispatcher, backend, ep, num_layers=NUM_LAYERS, recompute="non
         layer.train()
         layers.append(layer)
     return layers
+
+
+def _local_moe_submodules():
+    """The MoESubmodules of megatron-core's local (non-TE) GPT layer spec."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if not hasattr(gpt_layer_specs, "get_gpt_layer_local_submodules"):
+        # megatron-core 0.16 has only the ModuleSpec form (and no spec_utils.get_submodules).
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
+        return spec.submodules.mlp.submodules
+    from megatron.core.transformer.spec_utils import get_submodules
+
+    return get_submodules(
+        gpt_layer_specs.get_gpt_layer_local_submodules(num_experts=4, moe_grouped_gemm=False).mlp
+    )
 
 
 def _run_stack(layers, x, recompute):
