@@ -5,14 +5,17 @@ multi-GB install is repeated; pip only ever replaces files in the copy, never wr
 """
 
 import json
+import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT
 from packaging.requirements import Requirement
 
+from patchtool.pins import load_pins
 from patchtool.trees import load_tree
 
 pytestmark = pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs to run in a venv")
@@ -79,3 +82,35 @@ def test_pip_install_replaces_upstream_and_verify_tells_them_apart(venv):
     assert result.returncode == 1 and result.stdout.startswith("MISMATCH:")
     assert "installed distribution is megatron-core 0.19.2, expected" in result.stdout
     assert "megatron/core/transformer/moe/router.py: differs from the series" in result.stdout
+
+
+def _backport_bases() -> list:
+    pins = load_pins()
+    return [
+        pytest.param(v, marks=[] if i == 0 else [pytest.mark.slow])
+        for i, v in enumerate(
+            v
+            for v, b in pins.bases.items()
+            if v != pins.primary and (b.series_dir() / "series").exists()
+        )
+    ]
+
+
+@pytest.mark.parametrize("version", _backport_bases())
+def test_wheel_for_a_backport_base(tmp_path, version):
+    """MOE_RELEASE_BASE=<base> builds that base's drop-in wheel: its backport series applied."""
+    tree = load_tree(version)
+    env = dict(os.environ, MOE_RELEASE_BASE=version)
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "--wheel-dir", str(tmp_path), str(REPO_ROOT)],
+        capture_output=True, text=True, env=env, cwd="/",
+    )  # fmt: skip
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
+    (wheel,) = tmp_path.glob("megatron_core-*.whl")
+    assert wheel.name.startswith(f"megatron_core-{tree.version}-")
+    with zipfile.ZipFile(wheel) as zf:
+        # Every file the backport series patched is in the wheel as the series wrote it.
+        for rel in tree.touched:
+            if rel.startswith("megatron/"):
+                assert zf.read(rel) == tree.files[rel], rel
