@@ -214,3 +214,19 @@ def test_check_names_the_patch_that_does_not_apply(tmp_path, base, base_files):
     # The checkout itself is untouched: git am ran on a scratch clone.
     status = subprocess.run(["git", "status", "--porcelain"], cwd=checkout, capture_output=True)
     assert status.stdout == b""
+
+
+def test_no_series_adds_a_config_field():
+    """Upstream's tests/unit_tests/models/test_hybrid_moe_model.py compares TransformerConfig
+    with GOLDEN_CONFIG (ALLOW_ADDED_FIELDS empty): no series for any target may add a field."""
+    series = [("core_r0.19.0", target_series("core_r0.19.0"))]
+    series += [(t, target_series(t)) for t in VARIANT_TARGETS]
+    for version, base in load_pins().bases.items():
+        if (base.series_dir() / "series").exists():
+            series.append((version, read_series(base)))
+    assert len(series) >= 4
+    configs = ("transformer/transformer_config.py", "model_parallel_config.py")
+    for target, patches in series:
+        for name, data in patches:
+            for fp in parse_patch(data, name).files:
+                assert not fp.path.endswith(configs), f"{target}: {name} changes {fp.path}"
