@@ -70,6 +70,16 @@ def host_comm_stream() -> HostStream:
     return pp_utils._COMM_STREAM
 
 
+def layer_node_class():
+    """megatron-core's TransformerLayerNode: in models.common.utils in 0.19, in
+    models.gpt.fine_grained_callables before that and on upstream dev."""
+    try:
+        from megatron.core.models.common.utils import TransformerLayerNode
+    except ImportError:
+        from megatron.core.models.gpt.fine_grained_callables import TransformerLayerNode
+    return TransformerLayerNode
+
+
 def batches(cfg: Dict[str, Any]) -> List[Dict[str, torch.Tensor]]:
     """Seeded microbatches (tokens, positions, labels, causal mask) for this data-parallel
     rank (every pipeline stage of it sees the same microbatches)."""
@@ -273,8 +283,8 @@ class OverlapWatch:
     ``run``, ``TransformerLayerSchedulePlan.__init__`` and ``TransformerLayerNode.forward`` /
     ``backward`` with calls that first run the original, then look:
 
-    * at each layer's finished backward (its ``pre_dispatch_computation`` node's backward
-      returned): the bytes each holder of that layer plan still reaches
+    * at each layer's finished backward (its ``pre_dispatch_computation`` node's, ``attn``'s
+      before 0.19, backward returned): the bytes each holder of that layer plan still reaches
       (:func:`attributed_bytes`) and which of the tensors the layer's forward stored are still
       alive (weak references); with ``drop`` the allocator bytes freed by dropping them all,
       which is what "held past last use" costs;
@@ -286,11 +296,6 @@ class OverlapWatch:
         import weakref
 
         from megatron.core.models.common import model_chunk_schedule_plan as mcsp
-
-        try:
-            from megatron.core.models.common.utils import TransformerLayerNode
-        except ImportError:  # megatron-core 0.16 and upstream dev
-            from megatron.core.models.gpt.fine_grained_callables import TransformerLayerNode
 
         self.weakref = weakref
         self.counter = counter
@@ -368,8 +373,9 @@ class OverlapWatch:
         wrap(mcsp.TransformerModelChunkSchedulePlan, "__init__", chunk_init)
         wrap(mcsp.TransformerModelChunkSchedulePlan, "run", chunk_run)
         wrap(mcsp.TransformerLayerSchedulePlan, "__init__", layer_init)
-        wrap(TransformerLayerNode, "forward", node_forward)
-        wrap(TransformerLayerNode, "backward", node_backward)
+        node_class = layer_node_class()
+        wrap(node_class, "forward", node_forward)
+        wrap(node_class, "backward", node_backward)
 
     def close(self) -> None:
         for cls, name, original in reversed(self._saved):
