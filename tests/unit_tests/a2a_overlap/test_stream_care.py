@@ -71,8 +71,9 @@ CASES = {
     "alltoall": """
         d = object.__new__(td.MoEAlltoAllTokenDispatcher)
         # No CUDA graph: where a captured preprocess would not restore probs (core_r0.18.0 and
-        # older), the release reads the config to keep probs; here everything is dropped.
-        d.config = types.SimpleNamespace(cuda_graph_modules=[])
+        # older), the release reads the config (cuda_graph_scope before 0.18) to keep probs;
+        # here everything is dropped.
+        d.config = types.SimpleNamespace(cuda_graph_modules=[], cuda_graph_scope=[])
         check(d, ["probs", "routing_map", "reversed_local_input_permutation_mapping",
                   "tokens_per_expert", "num_out_tokens", "input_splits", "output_splits",
                   "output_splits_tp", "num_global_tokens_per_local_expert"])
