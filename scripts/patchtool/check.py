@@ -19,6 +19,9 @@ from .repo import overlay_files, read_series
 from .sdist import fetch_sdist, read_sdist, sha256_file
 from .trees import MANIFEST_PATH, Tree, build_tree
 
+# What `patch`/`git apply --reject`/editors leave behind; a patch adding one vendors a copy.
+LEFTOVER_SUFFIXES = (".orig", ".rej", ".porig", "~")
+
 
 def check_base(base: Base, root: Path = REPO_ROOT) -> list[str]:
     """Problems with one base's series (empty when it is good)."""
@@ -29,12 +32,16 @@ def check_base(base: Base, root: Path = REPO_ROOT) -> list[str]:
         return [str(exc)]
     for name, data in patches:
         try:
-            missing = check_trailers(parse_patch(data, name))
+            patch = parse_patch(data, name)
         except UserError as exc:
             problems.append(str(exc))
             continue
+        missing = check_trailers(patch)
         if missing:
             problems.append(f"{name}: lacks trailer(s) {', '.join(missing)}")
+        for fp in patch.files:
+            if fp.path.endswith(LEFTOVER_SUFFIXES):
+                problems.append(f"{name}: adds {fp.path}, a leftover of patch/merge (remove it)")
     if problems:
         return problems
     base_files = read_sdist(fetch_sdist(base))

@@ -374,6 +374,22 @@ def test_check_reports_missing_trailer_and_non_round_trip(repo, base):
     assert any("round-trip" in p or "import+export changes" in p for p in problems), problems
 
 
+def test_check_refuses_a_patch_that_adds_a_leftover_file(repo, base):
+    """A `.orig` left by `patch` and committed with the fix would vendor a copy of upstream."""
+    patch = series_patches(repo)[0]
+    leftover = (
+        b"diff --git a/megatron/core/transformer/moe/router.py.orig "
+        b"b/megatron/core/transformer/moe/router.py.orig\n"
+        b"new file mode 100644\n--- /dev/null\n"
+        b"+++ b/megatron/core/transformer/moe/router.py.orig\n@@ -0,0 +1 @@\n+x = 1\n"
+    )
+    patch.write_bytes(patch.read_bytes() + leftover)
+    assert check_base(base, repo) == [
+        f"{patch.name}: adds megatron/core/transformer/moe/router.py.orig, a leftover of "
+        "patch/merge (remove it)"
+    ]
+
+
 def test_every_patch_in_series_has_trailers():
     for path in series_patches(REPO_ROOT):
         patch = parse_patch(path.read_bytes(), path.name)
