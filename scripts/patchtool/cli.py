@@ -158,8 +158,7 @@ def _cmd_landed(args: argparse.Namespace) -> int:
 
 def _cmd_upstream(args: argparse.Namespace) -> int:
     ident = identity()
-    series = target_series(args.target)
-    paths = export_upstream(args.target, series, Path(args.outdir), ident, args.topic)
+    paths = export_upstream(args.target, Path(args.outdir), ident, args.topic)
     print(f"wrote {len(paths)} {args.topic} patches for {args.target} to {args.outdir}, "
           f"signed off by {ident[0]} <{ident[1]}>")  # fmt: skip
     if args.check:

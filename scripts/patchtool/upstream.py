@@ -153,13 +153,14 @@ def _tests_patch(date: str, root: Path = REPO_ROOT) -> Optional[tuple[str, str, 
 
 def export_upstream(
     target: str,
-    series: list[tuple[str, bytes]],
     outdir: Path,
     ident: tuple[str, str],
     topic: str = "memory",
+    root: Path = REPO_ROOT,
 ) -> list[Path]:
-    """Write one topic of the series for ``target`` as ``git am``-able mboxes into ``outdir``
-    (absent or empty); returns their paths."""
+    """Write one topic of ``target``'s series (:func:`target_series`) as ``git am``-able mboxes
+    into ``outdir`` (absent or empty); returns their paths."""
+    series = target_series(target, root)
     if outdir.exists() and (not outdir.is_dir() or any(outdir.iterdir())):
         raise UserError(f"{outdir}: target exists and is not empty")
     series = topic_series(series, topic)

@@ -72,6 +72,8 @@ def test_identity_is_the_exporters(tmp_path, isolated_git):
         ("[MoE] A2A overlap: drop a node's tensors",
          "fix(moe): A2A overlap: drop a node's tensors"),
         ("[MoE] Re-create the HybridEP buffer", "fix(moe): re-create the HybridEP buffer"),
+        ("cp: `fix(moe): release x` into `core_r0.18.0`",
+         "cp: `fix(moe): release x` into `core_r0.18.0`"),
     ],
 )  # fmt: skip
 def test_conventional_subject(subject, expected):
@@ -90,7 +92,7 @@ def test_topics_split_the_series(base):
 @pytest.mark.parametrize("topic", ["memory", "cpu-import"])
 def test_export_strips_overlay_trailers_and_signs_off(tmp_path, base, topic):
     series = topic_series(read_series(base), topic)
-    paths = export_upstream("core_r0.19.0", read_series(base), tmp_path / "out", IDENT, topic)
+    paths = export_upstream("core_r0.19.0", tmp_path / "out", IDENT, topic)
     # The memory topic ends with the patch adding the upstream-layout tests.
     total = len(series) + (topic == "memory")
     assert [p.name[:5] for p in paths] == [f"{n:04d}-" for n in range(1, total + 1)]
@@ -110,7 +112,7 @@ def test_export_strips_overlay_trailers_and_signs_off(tmp_path, base, topic):
 def test_memory_export_adds_the_upstream_layout_tests(tmp_path, base):
     """The last memory patch adds every file under patches/upstream/tests as a new file, byte
     for byte, with the exporter's sign-off; the cpu-import topic has no such patch."""
-    paths = export_upstream("main", read_series(base), tmp_path / "out", IDENT)
+    paths = export_upstream("main", tmp_path / "out", IDENT)
     text = paths[-1].read_text()
     total = len(paths)
     assert f"Subject: [PATCH {total}/{total}] test(moe): " in text
@@ -123,7 +125,7 @@ def test_memory_export_adds_the_upstream_layout_tests(tmp_path, base):
     subprocess.run(["git", "apply", str(paths[-1])], cwd=applied, check=True)
     got = {p.relative_to(applied).as_posix(): p.read_bytes() for p in applied.rglob("*.py")}
     assert got == files
-    cpu = export_upstream("main", read_series(base), tmp_path / "cpu", IDENT, "cpu-import")
+    cpu = export_upstream("main", tmp_path / "cpu", IDENT, "cpu-import")
     assert "test(moe)" not in "".join(p.read_text() for p in cpu)
 
 
@@ -174,7 +176,7 @@ def test_export_refuses_a_nonempty_target(tmp_path, base):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep").write_text("x")
     with pytest.raises(UserError, match="not empty"):
-        export_upstream("core_r0.19.0", read_series(base), tmp_path / "out", IDENT)
+        export_upstream("core_r0.19.0", tmp_path / "out", IDENT)
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep"]
 
 
@@ -196,7 +198,7 @@ def _checkout(tmp_path: Path, base, base_files, edit=None) -> Path:
 
 @pytest.mark.parametrize("topic", ["memory", "cpu-import"])
 def test_check_applies_with_git_am_and_byte_compiles(tmp_path, base, base_files, topic):
-    paths = export_upstream("core_r0.19.0", read_series(base), tmp_path / "out", IDENT, topic)
+    paths = export_upstream("core_r0.19.0", tmp_path / "out", IDENT, topic)
     lines = check_export(paths, _checkout(tmp_path, base, base_files), None, IDENT)
     assert lines[0].startswith(f"{len(paths)} patches applied with git am to HEAD")
     assert "all Python ones byte-compile" in lines[1]
@@ -207,7 +209,7 @@ def test_check_names_the_patch_that_does_not_apply(tmp_path, base, base_files):
         f = root / "megatron/core/parallel_state.py"
         f.write_text(f.read_text().replace('"""Set the groups to none."""', '"""Reworded."""'))
 
-    paths = export_upstream("core_r0.19.0", read_series(base), tmp_path / "out", IDENT)
+    paths = export_upstream("core_r0.19.0", tmp_path / "out", IDENT)
     checkout = _checkout(tmp_path, base, base_files, reword)
     with pytest.raises(UserError, match=r"0008-fix-moe-release-the-HybridEP.*does not apply"):
         check_export(paths, checkout, None, IDENT)
