@@ -435,19 +435,10 @@ class OverlapWatch:
             record["dropped_bytes"] = before - self._settled()
         self.layers.append(record)
 
-    def _settled(self, tries: int = 50) -> int:
-        """The counter once two reads 1 ms apart agree: gloo's worker threads free the
-        buffers of finished collectives a moment after the work completes."""
-        import time
+    def _settled(self) -> int:
+        from cpu_runtime.cpu_memory import settled
 
-        last = self.counter()
-        for _ in range(tries):
-            time.sleep(0.001)
-            now = self.counter()
-            if now == last:
-                return now
-            last = now
-        return last
+        return settled(self.counter)
 
     def _chunk_finished(self, plan) -> None:
         holders = chunk_holders(plan)

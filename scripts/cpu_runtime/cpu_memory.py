@@ -100,6 +100,21 @@ def memory_allocated() -> int:
     return _load().moe_counter_current()
 
 
+def settled(read=memory_allocated, tries: int = 50) -> int:
+    """``read()`` once two reads 1 ms apart agree: gloo's worker threads free the buffers of
+    finished collectives a moment after the work completes."""
+    import time
+
+    last = read()
+    for _ in range(tries):
+        time.sleep(0.001)
+        now = read()
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 def max_memory_allocated() -> int:
     """Peak of memory_allocated() since the last reset_peak_memory_stats()."""
     return _load().moe_counter_peak()

@@ -66,13 +66,14 @@ def rank_teardown(backend: str):
     ref, nbytes = weakref.ref(buffer), buffer.memory.nbytes
     del buffer
     gc.collect()
-    before = mem.memory_allocated()
+    # Settled reads: gloo's threads free finished collectives' buffers asynchronously.
+    before = mem.settled()
     parallel_state.destroy_model_parallel()
     gc.collect()
     return {
         "alive": ref() is not None,
         "nbytes": nbytes,
-        "freed": before - mem.memory_allocated(),
+        "freed": before - mem.settled(),
     }
 
 
