@@ -4,8 +4,8 @@
 
 Each kind of help is as narrow as the spot it covers:
 
-* :func:`load_deep_ep_emulation` loads the overlay's ``deep_ep_emulation.py`` by file path, so
-  registering it as ``deep_ep`` does not import megatron-core first.
+* :func:`load_deep_ep_emulation` imports :mod:`cpu_runtime.deep_ep_emulation`, which imports
+  only torch, so registering it as ``deep_ep`` does not import megatron-core first.
 * :func:`install_cpu_rng_shim` gives ``tensor_parallel.random`` a CPU stand-in for the CUDA
   generator (a dedicated ``torch.Generator``), set synchronously. A runtime stand-in, not a patch:
   upstream's checkpointing is CUDA-RNG by design and a host generator there would change what
@@ -27,11 +27,10 @@ Each kind of help is as narrow as the spot it covers:
 """
 
 import functools
-import importlib.util
+import importlib
 import inspect
 import sys
 import types
-from pathlib import Path
 
 import torch
 
@@ -42,27 +41,15 @@ from cpu_runtime.host_streams import (  # noqa: F401 (re-exported)
     HostStreams,
 )
 
-EMULATION_MODULE = "megatron.core.transformer.moe.deep_ep_emulation"
+EMULATION_MODULE = "cpu_runtime.deep_ep_emulation"
 
 
-def load_deep_ep_emulation(tree: str) -> types.ModuleType:
-    """Load ``<tree>/megatron/core/transformer/moe/deep_ep_emulation.py`` without megatron.
+def load_deep_ep_emulation() -> types.ModuleType:
+    """Import the deep_ep kernel emulation (:mod:`cpu_runtime.deep_ep_emulation`) without megatron.
 
-    It is registered under its package name as well, so a later
-    ``import megatron.core.transformer.moe.deep_ep_emulation`` returns the same module.
+    Registering it as ``deep_ep`` is left to its ``install()``.
     """
-    if EMULATION_MODULE in sys.modules:
-        return sys.modules[EMULATION_MODULE]
-    path = Path(tree) / "megatron/core/transformer/moe/deep_ep_emulation.py"
-    spec = importlib.util.spec_from_file_location(EMULATION_MODULE, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[EMULATION_MODULE] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[EMULATION_MODULE]
-        raise
-    return module
+    return importlib.import_module(EMULATION_MODULE)
 
 
 class _Proxy(types.ModuleType):

@@ -209,7 +209,7 @@ def _rank_main(job: Path) -> int:
         if spec["emulate_deep_ep"]:
             from cpu_runtime.compat import load_deep_ep_emulation
 
-            emulation = load_deep_ep_emulation(os.environ["MOE_RELEASE_TREE"])
+            emulation = load_deep_ep_emulation()
             emulation.install(force=spec["force_emulation"])
         import importlib
 

@@ -31,10 +31,9 @@ rank of ``torch.distributed.run`` runs pytest, as on upstream's CI), before upst
 * **No downloads.** Upstream's session fixture ``ensure_test_data`` would fetch datasets into
   ``/opt/data``; the plugin gives it a stand-in downloader that fetches nothing (the MoE tests
   use no data sets).
-* ``UPSTREAM_CPU_DEEP_EP=emulation`` registers the moe-release overlay's CPU emulation of the
-  ``deep_ep`` kernels (HybridEP and DeepEP), loaded from ``UPSTREAM_CPU_EMULATION_TREE``
-  (default: this repository's root), so the flex-dispatcher tests run too; off by default,
-  because upstream's checkout does not contain it.
+* ``UPSTREAM_CPU_DEEP_EP=emulation`` registers moe-release's CPU emulation of the ``deep_ep``
+  kernels (HybridEP and DeepEP, :mod:`cpu_runtime.deep_ep_emulation`), so the flex-dispatcher
+  tests run too; off by default, because upstream's checkout does not contain it.
 
 What stays out of reach on the host is what needs Transformer Engine, fp8, or the real
 deep_ep/NCCL-EP kernels: those tests skip (or fail) exactly as on a GPU runner without them.
@@ -66,7 +65,6 @@ from cpu_runtime.host_streams import (
 
 CHECKOUT = Path(os.environ.get("UPSTREAM_CPU_CHECKOUT", os.getcwd())).resolve()
 TESTS_DIR = str(CHECKOUT / "tests") + os.sep
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 _real_is_available = torch.cuda.is_available
 
@@ -244,8 +242,7 @@ def _stub_downloader() -> None:
 def _install_deep_ep_emulation() -> None:
     if os.environ.get("UPSTREAM_CPU_DEEP_EP", "") != "emulation":
         return
-    tree = os.environ.get("UPSTREAM_CPU_EMULATION_TREE", str(REPO_ROOT))
-    emulation = compat.load_deep_ep_emulation(tree)
+    emulation = compat.load_deep_ep_emulation()
     emulation.install()
 
 

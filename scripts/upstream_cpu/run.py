@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 SCRIPTS = Path(__file__).resolve().parents[1]
-REPO_ROOT = SCRIPTS.parent
 
 
 def free_port() -> int:
@@ -72,7 +71,7 @@ def rank_environment(checkout: Path, report_dir: Path, deep_ep_emulation: bool) 
         TORCHELASTIC_ERROR_FILE=str(report_dir / "error.json"),
     )
     if deep_ep_emulation:
-        env.update(UPSTREAM_CPU_DEEP_EP="emulation", UPSTREAM_CPU_EMULATION_TREE=str(REPO_ROOT))
+        env.update(UPSTREAM_CPU_DEEP_EP="emulation")
     return env
 
 

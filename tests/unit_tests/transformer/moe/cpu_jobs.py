@@ -475,7 +475,7 @@ def staged_kernel_checks(emu, verdicts: Verdicts) -> None:
 
 
 def _emulation():
-    return sys.modules["megatron.core.transformer.moe.deep_ep_emulation"]
+    return sys.modules["cpu_runtime.deep_ep_emulation"]
 
 
 def emulation_and_layer_job(tree_kind: str = "patched") -> Verdicts:

@@ -103,7 +103,7 @@ PRELUDE = """
 import os, sys
 sys.path[:0] = [{tree!r}, {scripts!r}]
 from cpu_runtime.compat import load_deep_ep_emulation
-load_deep_ep_emulation({tree!r}).install()
+load_deep_ep_emulation().install()
 import torch.distributed as dist
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
 """

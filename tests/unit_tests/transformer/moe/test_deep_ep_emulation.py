@@ -55,11 +55,11 @@ def test_checks_catch_a_broken_emulation(dist_job, patched_tree, how):
 
 
 @pytest.fixture
-def emulation(patched_tree, monkeypatch):
+def emulation(monkeypatch):
     """The emulation module with deep_ep entries of sys.modules restored afterwards."""
     for name in ("deep_ep", "deep_ep.utils"):
         monkeypatch.delitem(sys.modules, name, raising=False)
-    return load_deep_ep_emulation(patched_tree)
+    return load_deep_ep_emulation()
 
 
 def test_install_registers_deep_ep(emulation, monkeypatch):
@@ -105,11 +105,11 @@ def test_loading_the_emulation_does_not_import_megatron(emulation):
     assert "deep_ep" not in sys.modules
 
 
-def test_buffers_allocate_their_documented_size(patched_tree, monkeypatch):
+def test_buffers_allocate_their_documented_size(monkeypatch):
     """The emulated buffers hold their real size in one counted tensor: HybridEP's by DeepEP's
     hybrid-ep rule (rows padded to max(T, 512) and the combine chunk; tokens, probs, routing
     map, scaling factors), DeepEP's as the NVLink + RDMA bytes megatron-core asks for."""
-    emu = load_deep_ep_emulation(patched_tree)
+    emu = load_deep_ep_emulation()
     # The rule's worked example: T=1000 -> 1024 rows, group 2, H=2048, E=256 expert columns.
     assert emu.hybrid_ep_buffer_bytes(1000, 2048, 128, 2) == 11_141_120
     assert emu.hybrid_ep_buffer_bytes(1, 64, 4, 2) == emu.hybrid_ep_buffer_bytes(512, 64, 4, 2)
