@@ -140,6 +140,9 @@ _REAL_RECORD_STREAM: Optional[Callable] = None
 
 
 def _record_stream(tensor: torch.Tensor, stream) -> None:
+    from cpu_runtime.placement import check_record_stream
+
+    check_record_stream(tensor)  # a host tensor raises, as torch's CUDA-only kernel does
     if isinstance(stream, HostStream):
         storage = tensor.untyped_storage()
         HOST_STREAMS.log("record_stream", stream.name, storage.data_ptr(), storage.nbytes())
@@ -149,7 +152,9 @@ def _record_stream(tensor: torch.Tensor, stream) -> None:
 
 def install_record_stream_stand_in() -> bool:
     """``Tensor.record_stream(s)`` for a :class:`HostStream` ``s``: logged, nothing else (host
-    memory is reused only after Python drops it). Other streams reach torch's own method.
+    memory is reused only after Python drops it); under the placement rules
+    (:mod:`cpu_runtime.placement`) a tensor that would be host memory on a GPU raises, as
+    torch's CUDA-only kernel does. Other streams reach torch's own method.
     Idempotent; returns whether it installed anything."""
     global _REAL_RECORD_STREAM
     if _REAL_RECORD_STREAM is not None:

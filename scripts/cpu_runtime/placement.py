@@ -1,0 +1,487 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""Where each tensor of a CPU run would live on a GPU, and CUDA's rules enforced on it.
+
+On a host every tensor is a CPU tensor, so code that is wrong on a GPU (``record_stream`` on a
+host tensor, an op mixing a device tensor with a host one, a ``.numpy()`` of a device tensor)
+runs here without complaint. :class:`PlacementMode` is a ``TorchFunctionMode`` that gives each
+tensor the placement it would have on a GPU and refuses what CUDA refuses:
+
+* **Placement.** ``device``, ``pinned`` (page-locked host) or ``pageable`` (ordinary host),
+  kept on the tensor's storage (views share it). Derived from how a tensor is made:
+  ``device="cuda"``/``cuda:N``/an index, ``.cuda()``, ``.to("cuda")`` give ``device``; a factory
+  without ``device=`` called from the tree under test (``megatron/``), ``device="cpu"``,
+  ``.cpu()``/``.to("cpu")`` give ``pageable`` (``pinned`` with ``pin_memory=True``,
+  ``.pin_memory()``, or a ``non_blocking`` device-to-host copy, as torch's ``_to_copy`` pins
+  its output then); every other op's outputs inherit from its inputs (a host op's output is
+  ``pageable``). Tensors made outside the Python API (autograd's gradients, the CPU runtime's
+  own harness and kernel emulation, which stand in for device code) are ``device`` unless
+  marked otherwise: :func:`mark` is how the emulation returns what a kernel returns on the
+  host.
+* **CUDA's view of a tensor.** ``.is_cuda``, ``.device`` (``cuda:0``), ``.is_pinned()``
+  answer by placement, so megatron's ``is_cuda`` branches (``_release_tensor_storage``,
+  ``maybe_move_tensor_to_cpu``, ``_record_on_current_stream``) run as on a GPU, and
+  ``device=x.device`` keeps ``x``'s placement.
+* **CUDA's rules.** ``Tensor.record_stream`` on a host tensor raises ``NotImplementedError``
+  as torch does (it has only a CUDA kernel); an op whose tensor arguments mix ``device`` with
+  host tensors that are not 0-dim raises CUDA's device-mismatch ``RuntimeError`` (copies and
+  host index tensors are allowed, as CUDA allows them); ``.numpy()`` of a device tensor raises
+  as torch does.
+* **Host syncs, counted.** Every device-to-host synchronization (``.item()``, ``.tolist()``,
+  ``bool``/``int``/``float`` of a device tensor, a blocking copy to the host, and
+  ``torch.cuda.synchronize``/event and stream ``synchronize``, which :func:`count_sync` is
+  called from) is counted in :data:`SYNCS` by kind and call site (the first frame outside torch
+  and this runtime).
+
+Not covered: ops that never reach Python (C++ autograd formulas) are not checked, only what
+their outputs feed into; ``torch.from_numpy`` is not a torch function (its result is
+``device``: megatron's MoE path does not call it).
+"""
+
+import collections
+import contextlib
+import os
+import sys
+import threading
+from typing import Dict, Iterator, Optional, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+DEVICE = "device"
+PINNED = "pinned"
+PAGEABLE = "pageable"
+HOST = (PINNED, PAGEABLE)
+
+_ATTR = "_moe_release_placement"
+CUDA_DEVICE = torch.device("cuda", 0)
+
+_TENSOR_DICT = torch._C.TensorBase.__dict__
+_IS_CUDA = _TENSOR_DICT["is_cuda"]
+_DEVICE = _TENSOR_DICT["device"]
+_IS_CPU = _TENSOR_DICT["is_cpu"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_THIS_FILE = __file__
+
+
+class PlacementError(RuntimeError):
+    """An op that CUDA would refuse (a device mismatch)."""
+
+
+def placement_of(tensor: torch.Tensor) -> str:
+    """The tensor's placement on a GPU (``device`` unless something made it a host tensor)."""
+    try:
+        return getattr(tensor.untyped_storage(), _ATTR, DEVICE)
+    except (RuntimeError, NotImplementedError):  # e.g. a tensor without storage
+        return DEVICE
+
+
+def mark(tensor: torch.Tensor, placement: str) -> torch.Tensor:
+    """Set where ``tensor`` (and every view of its storage) lives; returns it."""
+    if placement not in (DEVICE, PINNED, PAGEABLE):
+        raise ValueError(f"unknown placement {placement!r}")
+    storage = tensor.untyped_storage()
+    if placement == DEVICE:
+        if hasattr(storage, _ATTR):
+            delattr(storage, _ATTR)
+    else:
+        setattr(storage, _ATTR, placement)
+    return tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# Host syncs
+
+
+SYNCS: "collections.Counter[Tuple[str, str]]" = collections.Counter()
+
+
+def call_site(skip_runtime: bool = True) -> str:
+    """``file:line`` of the first frame outside torch (and this runtime)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(_TORCH_DIR) and not (
+            skip_runtime and name.startswith(_RUNTIME_DIR)
+        ):
+            return f"{_short(name)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+def _short(path: str) -> str:
+    cut = path.rfind("megatron" + os.sep)
+    if cut >= 0:
+        return path[cut:]
+    return os.path.basename(path)
+
+
+def check_record_stream(tensor: torch.Tensor) -> None:
+    """Raise as torch does for ``record_stream`` on a host tensor (only a CUDA kernel exists).
+
+    Called by the ``Tensor.record_stream`` stand-in (:mod:`cpu_runtime.host_streams`)."""
+    if _STATE.mode is not None and placement_of(tensor) != DEVICE:
+        raise NotImplementedError(
+            "Could not run 'aten::record_stream' with arguments from the 'CPU' backend. "
+            "'aten::record_stream' is only available for these backends: [CUDA, ...]. "
+            f"(CPU runtime placement rule: this tensor would be {placement_of(tensor)} host "
+            f"memory on a GPU; record_stream at {call_site()})"
+        )
+
+
+def count_sync(kind: str) -> None:
+    """Count one device-to-host synchronization of ``kind`` at the caller's call site."""
+    if _STATE.mode is not None:
+        SYNCS[(kind, call_site())] += 1
+
+
+def syncs_by_site() -> Dict[str, int]:
+    """The syncs counted so far, ``"kind @ site" -> count``."""
+    return {f"{kind} @ {site}": n for (kind, site), n in sorted(SYNCS.items())}
+
+
+# ---------------------------------------------------------------------------------------------
+# The mode
+
+
+def _is_cuda_device(device) -> Optional[bool]:
+    """True for a CUDA device spec, False for the host, None for no device given."""
+    if device is None:
+        return None
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, int):
+        return True
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return None
+
+
+def _tensors(args) -> Iterator[torch.Tensor]:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    yield b
+
+
+def _from_tree_under_test() -> bool:
+    """Whether the nearest caller outside torch is megatron's code (its factories without
+    ``device=`` land on the host on a GPU) rather than the CPU runtime or a test harness,
+    which stand in for device code."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(_TORCH_DIR) and name != _THIS_FILE:
+            return (os.sep + "megatron" + os.sep + "core" + os.sep) in name
+        frame = frame.f_back
+    return False
+
+
+# Factory functions: their output's placement comes from device= / pin_memory= alone.
+_FACTORIES = frozenset(
+    {
+        torch.zeros,
+        torch.ones,
+        torch.full,
+        torch.empty,
+        torch.empty_strided,
+        torch.tensor,
+        torch.as_tensor,
+        torch.arange,
+        torch.range,
+        torch.linspace,
+        torch.logspace,
+        torch.eye,
+        torch.rand,
+        torch.randn,
+        torch.randint,
+        torch.randperm,
+        torch.scalar_tensor,
+        torch.tril_indices,
+        torch.triu_indices,
+    }
+)
+_LIKE = frozenset(
+    {
+        torch.zeros_like,
+        torch.ones_like,
+        torch.full_like,
+        torch.empty_like,
+        torch.rand_like,
+        torch.randn_like,
+        torch.randint_like,
+    }
+)
+_NEW = frozenset(
+    {
+        torch.Tensor.new_zeros,
+        torch.Tensor.new_ones,
+        torch.Tensor.new_full,
+        torch.Tensor.new_empty,
+        torch.Tensor.new_tensor,
+        torch.Tensor.new_empty_strided,
+    }
+)
+# Ops CUDA runs with a host argument next to a device one: copies and host index tensors.
+_MIXING_ALLOWED = frozenset(
+    {
+        torch.Tensor.copy_,
+        torch._has_compatible_shallow_copy_type,
+        torch.Tensor.__getitem__,
+        torch.Tensor.__setitem__,
+        torch.Tensor.index_put_,
+        torch.Tensor.index_put,
+        torch.Tensor.set_,
+        torch.Tensor.to,
+        torch.Tensor.cuda,
+        torch.Tensor.cpu,
+        torch.Tensor.record_stream,
+        torch.Tensor.untyped_storage,
+        torch.Tensor.data_ptr,
+        torch.Tensor.size,
+        torch.Tensor.dim,
+        torch.Tensor.numel,
+        torch.Tensor.__len__,
+        torch.Tensor.__repr__,
+        torch.Tensor.__format__,
+        torch.Tensor.split,
+        torch.split,
+        torch.Tensor.tensor_split,
+        torch.tensor_split,
+    }
+)
+_SYNC_METHODS = {
+    torch.Tensor.item: "item",
+    torch.Tensor.tolist: "tolist",
+    torch.Tensor.__bool__: "bool",
+    torch.Tensor.__int__: "int",
+    torch.Tensor.__float__: "float",
+    torch.Tensor.__index__: "index",
+}
+
+
+def _device_of(placement: str) -> torch.device:
+    return CUDA_DEVICE if placement == DEVICE else torch.device("cpu")
+
+
+def _mismatch(func, devices) -> PlacementError:
+    name = getattr(func, "__name__", repr(func))
+    return PlacementError(
+        "Expected all tensors to be on the same device, but found at least two devices, "
+        f"cuda:0 and cpu! (when checking arguments for {name}; CPU runtime placement rule, "
+        f"at {call_site()}: {', '.join(devices)})"
+    )
+
+
+class PlacementMode(TorchFunctionMode):
+    """Track placement, answer CUDA's view of a tensor, enforce CUDA's rules, count syncs."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        owner = getattr(func, "__self__", None)
+        if owner is _IS_CUDA:
+            return placement_of(args[0]) == DEVICE
+        if owner is _DEVICE:
+            return _device_of(placement_of(args[0]))
+        if owner is _IS_CPU:
+            return placement_of(args[0]) != DEVICE
+        if owner is not None and type(owner).__name__ == "getset_descriptor":
+            return func(*args, **kwargs)  # attribute access (``.data = ...``, ``.grad``, ...)
+        if func in _FACTORIES:
+            return self._factory(func, args, kwargs)
+        if func in _LIKE or func in _NEW:
+            return self._like(func, args, kwargs)
+        if func is torch.Tensor.cuda:
+            return self._to(args[0], True, kwargs.get("non_blocking", False), (), {})
+        if func is torch.Tensor.cpu:
+            return self._to(args[0], False, False, (), {})
+        if func is torch.Tensor.to:
+            return self._tensor_to(args, kwargs)
+        if func is torch.Tensor.pin_memory:
+            if placement_of(args[0]) == DEVICE:
+                raise RuntimeError("cannot pin 'torch.cuda.FloatTensor' only dense CPU tensors "
+                                   "can be pinned")  # fmt: skip
+            return mark(args[0].clone(), PINNED)
+        if func is torch.Tensor.is_pinned:
+            return placement_of(args[0]) == PINNED
+        if func is torch.Tensor.numpy and placement_of(args[0]) == DEVICE:
+            raise TypeError(
+                "can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy "
+                "the tensor to host memory first."
+            )
+        kind = _SYNC_METHODS.get(func)
+        if kind is not None and placement_of(args[0]) == DEVICE:
+            count_sync(kind)
+            return func(*args, **kwargs)
+        return self._op(func, args, kwargs)
+
+    # -- factories -------------------------------------------------------------------------
+    def _factory(self, func, args, kwargs):
+        device = kwargs.get("device")
+        on_cuda = _is_cuda_device(device)
+        pinned = bool(kwargs.pop("pin_memory", False))
+        if on_cuda:
+            kwargs["device"] = "cpu"
+            placement = DEVICE
+        elif on_cuda is False or _from_tree_under_test():
+            placement = PINNED if pinned else PAGEABLE
+        else:
+            placement = PINNED if pinned else DEVICE
+        if func is torch.as_tensor and args and isinstance(args[0], torch.Tensor):
+            src = placement_of(args[0])
+            if on_cuda is None:
+                return func(*args, **kwargs)
+            if src != placement:
+                return self._to(args[0], placement == DEVICE, False, (), {"dtype": kwargs.get(
+                    "dtype")} if kwargs.get("dtype") else {})  # fmt: skip
+            return func(*args, **kwargs)
+        return mark(func(*args, **kwargs), placement)
+
+    def _like(self, func, args, kwargs):
+        device = kwargs.get("device")
+        on_cuda = _is_cuda_device(device)
+        pinned = bool(kwargs.pop("pin_memory", False))
+        if on_cuda is None:
+            placement = placement_of(args[0])
+            if placement == PINNED:
+                placement = PAGEABLE
+        else:
+            placement = DEVICE if on_cuda else PAGEABLE
+            kwargs["device"] = "cpu"
+        if pinned:
+            placement = PINNED
+        return mark(func(*args, **kwargs), placement)
+
+    # -- moves -----------------------------------------------------------------------------
+    def _to(self, tensor, to_cuda: bool, non_blocking: bool, args, kwargs):
+        src = placement_of(tensor)
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "non_blocking")}
+        if (src == DEVICE) == to_cuda:
+            return tensor.to(*args, **kwargs) if (args or kwargs) else tensor
+        out = tensor.to(*args, **kwargs, copy=True) if (args or kwargs) else tensor.clone()
+        if to_cuda:
+            return mark(out, DEVICE)
+        if non_blocking:
+            # torch's _to_copy pins the output of a non-blocking device-to-host copy.
+            return mark(out, PINNED)
+        count_sync("copy to host")
+        return mark(out, PAGEABLE)
+
+    def _tensor_to(self, args, kwargs):
+        tensor, rest = args[0], list(args[1:])
+        kwargs = dict(kwargs)
+        device = kwargs.pop("device", None)
+        if device is None and rest:
+            first = rest[0]
+            if isinstance(first, torch.Tensor):
+                rest.pop(0)
+                device = _device_of(placement_of(first))
+                kwargs.setdefault("dtype", first.dtype)
+            elif isinstance(first, (str, int, torch.device)):
+                device = rest.pop(0)
+        non_blocking = kwargs.pop("non_blocking", False)
+        if len(rest) > 1 and isinstance(rest[1], bool):  # to(dtype, non_blocking, ...)
+            non_blocking = rest[1]
+        on_cuda = _is_cuda_device(device)
+        if on_cuda is None:
+            out = tensor.to(*rest, **kwargs)
+            if out is not tensor:
+                self._inherit(out, [tensor])
+            return out
+        return self._to(tensor, on_cuda, non_blocking, rest, kwargs)
+
+    # -- every other op --------------------------------------------------------------------
+    def _op(self, func, args, kwargs):
+        inputs = list(_tensors(args)) + list(_tensors(kwargs.values()))
+        if not inputs:
+            return func(*args, **kwargs)
+        placements = [placement_of(t) for t in inputs]
+        on_device = DEVICE in placements
+        if on_device and func not in _MIXING_ALLOWED:
+            host = [
+                f"{p} {tuple(t.shape)}"
+                for t, p in zip(inputs, placements)
+                if p != DEVICE and t.dim() > 0
+            ]
+            if host:
+                raise _mismatch(func, host)
+        out = func(*args, **kwargs)
+        if not on_device:
+            self._inherit(out, inputs)
+        return out
+
+    @staticmethod
+    def _inherit(out, inputs) -> None:
+        """A host op's new outputs are pageable host tensors (views keep their storage's)."""
+        storages = {t.untyped_storage().data_ptr() for t in inputs}
+        for t in _tensors(out if isinstance(out, (list, tuple)) else (out,)):
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            if storage.data_ptr() not in storages and not hasattr(storage, _ATTR):
+                setattr(storage, _ATTR, PAGEABLE)
+
+
+class _State(threading.local):
+    mode: Optional[PlacementMode] = None
+
+
+_STATE = _State()
+
+
+def active() -> bool:
+    """Whether the placement rules are in force in this process."""
+    return _STATE.mode is not None
+
+
+def install() -> bool:
+    """Enter :class:`PlacementMode` for the rest of the process (a rank of a CPU run), and
+    route ``torch.cuda.current_device``/``synchronize`` to their host stand-ins. Idempotent;
+    no-op where CUDA is available (the real rules apply there)."""
+    if _STATE.mode is not None or torch.cuda.is_available():
+        return False
+    from cpu_runtime.host_streams import install_record_stream_stand_in
+
+    install_record_stream_stand_in()
+    mode = PlacementMode()
+    mode.__enter__()
+    _STATE.mode = mode
+    torch.cuda.current_device = _current_device
+    torch.cuda.synchronize = _synchronize
+    return True
+
+
+@contextlib.contextmanager
+def rules() -> Iterator[PlacementMode]:
+    """The placement rules for a block (tests); :func:`install` enters them for good."""
+    from cpu_runtime.host_streams import install_record_stream_stand_in
+
+    install_record_stream_stand_in()
+    saved = _STATE.mode, torch.cuda.current_device, torch.cuda.synchronize
+    mode = PlacementMode()
+    with mode:
+        _STATE.mode = mode
+        torch.cuda.current_device, torch.cuda.synchronize = _current_device, _synchronize
+        try:
+            yield mode
+        finally:
+            _STATE.mode, torch.cuda.current_device, torch.cuda.synchronize = saved
+
+
+def _current_device() -> int:
+    return 0
+
+
+def _synchronize(device=None) -> None:
+    count_sync("torch.cuda.synchronize")
+
+
+def enabled_by_environment() -> bool:
+    """``MOE_RELEASE_PLACEMENT`` (default on): ``0`` runs without the placement rules."""
+    return os.environ.get("MOE_RELEASE_PLACEMENT", "1") != "0"

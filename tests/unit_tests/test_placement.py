@@ -1,0 +1,123 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""The CPU runtime's placement rules refuse what CUDA refuses (cpu_runtime.placement).
+
+Each case is a program that is wrong on a GPU and must fail here too, or a program CUDA runs
+that must keep running (so the rules cannot be satisfied by refusing everything).
+"""
+
+import pytest
+import torch
+
+from cpu_runtime import placement as pl
+from cpu_runtime.host_streams import HOST_STREAMS, HostStream
+
+
+@pytest.fixture
+def rules():
+    pl.SYNCS.clear()
+    with pl.rules() as mode:
+        yield mode
+    pl.SYNCS.clear()
+
+
+def test_placement_follows_how_a_tensor_is_made(rules):
+    on_device = torch.zeros(4, device="cuda")
+    assert pl.placement_of(on_device) == pl.DEVICE
+    assert on_device.is_cuda and on_device.device == torch.device("cuda", 0)
+    assert pl.placement_of(torch.empty(2, device=0)) == pl.DEVICE
+    assert pl.placement_of(torch.empty(2, device=on_device.device)) == pl.DEVICE
+    host = torch.zeros(4, device="cpu")
+    assert pl.placement_of(host) == pl.PAGEABLE and not host.is_cuda
+    assert pl.placement_of(torch.empty(4, pin_memory=True, device="cpu")) == pl.PINNED
+    assert pl.placement_of(host.pin_memory()) == pl.PINNED
+    assert host.pin_memory().is_pinned() and not host.is_pinned()
+    # Inherited through ops and views: host in, host out.
+    assert pl.placement_of((host * 2)[1:]) == pl.PAGEABLE
+    assert pl.placement_of(torch.zeros_like(host)) == pl.PAGEABLE
+    assert pl.placement_of(on_device.new_zeros(3)) == pl.DEVICE
+    # Moves.
+    assert pl.placement_of(host.cuda()) == pl.DEVICE
+    assert pl.placement_of(host.to("cuda")) == pl.DEVICE
+    assert pl.placement_of(host.to(on_device)) == pl.DEVICE
+    assert pl.placement_of(on_device.cpu()) == pl.PAGEABLE
+    # torch's _to_copy pins the output of a non-blocking device-to-host copy.
+    assert pl.placement_of(on_device.to("cpu", non_blocking=True)) == pl.PINNED
+
+
+def test_megatron_factories_without_device_land_on_the_host(rules, tmp_path):
+    """A factory without device= in megatron's code makes a host tensor, as on a GPU."""
+    source = tmp_path / "megatron" / "core" / "fake.py"
+    source.parent.mkdir(parents=True)
+    source.write_text("import torch\n\ndef make():\n    return torch.zeros(3)\n")
+    namespace = {}
+    exec(compile(source.read_text(), str(source), "exec"), namespace)
+    assert pl.placement_of(namespace["make"]()) == pl.PAGEABLE
+    # The harness stands in for device code: its factories are device tensors.
+    assert pl.placement_of(torch.zeros(3)) == pl.DEVICE
+
+
+def test_module_cuda_moves_parameters(rules):
+    linear = torch.nn.Linear(4, 4, device="cpu")
+    assert pl.placement_of(linear.weight) == pl.PAGEABLE
+    linear.cuda()
+    assert linear.weight.is_cuda and pl.placement_of(linear.weight) == pl.DEVICE
+
+
+def test_device_mismatch_raises_as_cuda_does(rules):
+    on_device = torch.ones(4, device="cuda")
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        on_device + torch.ones(4, device="cpu")
+    with pytest.raises(RuntimeError, match="same device"):
+        torch.cat([on_device, torch.ones(4, device="cpu")])
+    # CUDA takes 0-dim host tensors as scalars, host index tensors and cross-device copies.
+    assert (on_device * torch.tensor(2.0, device="cpu")).is_cuda
+    assert on_device[torch.tensor([0, 2], device="cpu")].is_cuda
+    on_device.copy_(torch.zeros(4, device="cpu"))
+
+
+def test_seeded_device_mismatch_in_an_op_is_caught(rules):
+    """A dispatcher-like function that builds a mask on the host by mistake fails here."""
+
+    def count_tokens(routing_map: torch.Tensor) -> torch.Tensor:
+        weights = torch.ones(routing_map.shape[1], device="cpu")  # the seeded bug
+        return routing_map.float() @ weights
+
+    with pytest.raises(RuntimeError, match="same device"):
+        count_tokens(torch.ones(3, 4, dtype=torch.bool, device="cuda"))
+
+
+def test_record_stream_on_a_host_tensor_raises(rules):
+    stream = HostStream(name="compute")
+    with pytest.raises(NotImplementedError, match="aten::record_stream.*'CPU' backend"):
+        torch.empty(3, dtype=torch.int64, device="cpu", pin_memory=True).record_stream(stream)
+    with pytest.raises(NotImplementedError, match="aten::record_stream"):
+        torch.zeros(3, device="cpu").record_stream(stream)
+    with HOST_STREAMS.record() as ops:
+        torch.zeros(3, device="cuda").record_stream(stream)
+    assert [op[0] for op in ops] == ["record_stream"]
+
+
+def test_numpy_of_a_device_tensor_raises(rules):
+    with pytest.raises(TypeError, match="can't convert cuda:0 device type tensor to numpy"):
+        torch.ones(2, device="cuda").numpy()
+    assert torch.ones(2, device="cuda").cpu().numpy().tolist() == [1.0, 1.0]
+
+
+def test_host_syncs_are_counted_with_their_call_site(rules):
+    on_device = torch.arange(4, device="cuda")
+    on_device.sum().item()
+    on_device.tolist()
+    bool(on_device[0])
+    on_device.cpu()
+    on_device.to("cpu", non_blocking=True)  # not a sync: the copy is queued
+    torch.arange(3, device="cpu").tolist()  # host tensor: no device involved
+    torch.cuda.synchronize()
+    kinds = sorted(kind for kind, _ in pl.SYNCS.elements())
+    assert kinds == ["bool", "copy to host", "item", "tolist", "torch.cuda.synchronize"]
+    assert all(site.startswith("test_placement.py:") for _, site in pl.SYNCS)
+
+
+def test_rules_are_off_outside_the_block():
+    host = torch.zeros(2)
+    assert not host.is_cuda and not pl.active()
