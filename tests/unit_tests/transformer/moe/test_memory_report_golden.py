@@ -4,7 +4,7 @@
 
 The golden file was recorded by the command stored in it (``_command``), from a real run of
 ``scripts/memory_report.py``; this test reruns the same configuration and compares within the
-tolerances stated in ``memory_report.GOLDEN_RTOL``. Within one run, base and patched must agree
+tolerances stated in ``report.cli.GOLDEN_RTOL``. Within one run, base and patched must agree
 bitwise on losses, gradient norms, gradients and updated parameters.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import memory_report
+from report import cli
 
 GOLDEN = Path(__file__).parent / "golden_values" / "memory_report_ep2.json"
 
@@ -24,16 +24,16 @@ def report(base_tree, patched_tree):
     from cpu_runtime import cpu_memory
 
     cpu_memory.build()
-    cfg = dict(memory_report.GOLDEN_CONFIG)
+    cfg = dict(cli.GOLDEN_CONFIG)
     rep = {"config": cfg}
-    rep.update(memory_report.measure(base_tree, patched_tree, cfg))
+    rep.update(cli.measure(base_tree, patched_tree, cfg))
     return rep
 
 
 def test_golden_file_says_how_it_was_made():
     golden = json.loads(GOLDEN.read_text())
     assert golden["_command"].startswith("python scripts/memory_report.py --record-golden ")
-    assert golden["_config"] == memory_report.GOLDEN_CONFIG
+    assert golden["_config"] == cli.GOLDEN_CONFIG
 
 
 def test_base_and_patched_are_bitwise_equal(report):
@@ -44,8 +44,8 @@ def test_base_and_patched_are_bitwise_equal(report):
 
 def test_run_matches_golden_values(report):
     golden = json.loads(GOLDEN.read_text())
-    actual = memory_report.golden_values(report, golden["_command"])
-    assert memory_report.compare_golden(golden, actual) == []
+    actual = cli.golden_values(report, golden["_command"])
+    assert cli.compare_golden(golden, actual) == []
 
 
 def test_patched_holds_nothing_between_calls(report):
@@ -61,8 +61,6 @@ def test_missing_release_fails_the_golden_comparison(report):
     reported as the patched ones) must fail the golden comparison."""
     golden = json.loads(GOLDEN.read_text())
     regressed = dict(report, patched=report["base"])
-    problems = memory_report.compare_golden(
-        golden, memory_report.golden_values(regressed, golden["_command"])
-    )
+    problems = cli.compare_golden(golden, cli.golden_values(regressed, golden["_command"]))
     assert any("expected exactly 0" in p for p in problems), problems
     assert any("mem held between calls bytes (patched" in p for p in problems), problems

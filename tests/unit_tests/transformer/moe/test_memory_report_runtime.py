@@ -13,11 +13,9 @@ import sys
 
 import pytest
 
-import memory_report
-import moe_report_worker
 from cpu_runtime.launcher import REPO_ROOT, rank_env, run_distributed
-
-Runtime, ReportError = memory_report.Runtime, memory_report.ReportError
+from report import cli, worker
+from report.runtime import ReportError, Runtime
 
 
 @pytest.mark.parametrize(
@@ -36,7 +34,7 @@ Runtime, ReportError = memory_report.Runtime, memory_report.ReportError
     ],
 )
 def test_resolve_runtime(device, kernels, gpus, deep_ep, expected):
-    assert memory_report.resolve_runtime(device, kernels, 2, gpus, deep_ep) == expected
+    assert cli.resolve_runtime(device, kernels, 2, gpus, deep_ep) == expected
 
 
 @pytest.mark.parametrize(
@@ -52,21 +50,21 @@ def test_resolve_runtime(device, kernels, gpus, deep_ep, expected):
 )
 def test_resolve_runtime_refusals_name_the_problem(device, kernels, gpus, deep_ep, message):
     with pytest.raises(ReportError, match=message.replace("(", r"\(")):
-        memory_report.resolve_runtime(device, kernels, 2, gpus, deep_ep)
+        cli.resolve_runtime(device, kernels, 2, gpus, deep_ep)
 
 
 def test_report_refuses_cuda_here_and_writes_nothing(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(memory_report, "probe_machine", lambda: (0, None))
+    monkeypatch.setattr(cli, "probe_machine", lambda: (0, None))
     out = tmp_path / "report"
-    assert memory_report.main(["--device", "cuda", "--out", str(out)]) == 2
+    assert cli.main(["--device", "cuda", "--out", str(out)]) == 2
     assert "memory_report: --device cuda: no CUDA device is visible" in capsys.readouterr().err
     assert not out.exists()
 
 
 def test_golden_values_are_recorded_on_cpu_only(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(memory_report, "probe_machine", lambda: (1, None))
+    monkeypatch.setattr(cli, "probe_machine", lambda: (1, None))
     golden = tmp_path / "golden.json"
-    assert memory_report.main(["--record-golden", str(golden), "--out", str(tmp_path)]) == 2
+    assert cli.main(["--record-golden", str(golden), "--out", str(tmp_path)]) == 2
     assert "--record-golden: golden values hold CPU-allocator figures" in capsys.readouterr().err
     assert not golden.exists()
 
@@ -79,10 +77,10 @@ def test_golden_values_are_recorded_on_cpu_only(tmp_path, capsys, monkeypatch):
     ],
 )
 def test_dispatcher_refusals_write_nothing(tmp_path, capsys, monkeypatch, args, message):
-    monkeypatch.setattr(memory_report, "probe_machine", lambda: (0, None))
+    monkeypatch.setattr(cli, "probe_machine", lambda: (0, None))
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "report"
-    assert memory_report.main([*args, "--out", str(out)]) == 2
+    assert cli.main([*args, "--out", str(out)]) == 2
     assert message in capsys.readouterr().err
     assert not out.exists() and not (tmp_path / "g.json").exists()
 
@@ -105,8 +103,8 @@ def test_dispatcher_refusals_write_nothing(tmp_path, capsys, monkeypatch, args, 
     ],
 )
 def test_dispatcher_choice_reaches_the_config(cfg, overrides, label):
-    assert moe_report_worker._dispatcher_overrides(cfg) == overrides
-    assert memory_report.dispatcher_label(cfg) == label
+    assert worker._dispatcher_overrides(cfg) == overrides
+    assert cli.dispatcher_label(cfg) == label
 
 
 def test_cuda_trace_points_follow_allocated_bytes():
@@ -119,11 +117,11 @@ def test_cuda_trace_points_follow_allocated_bytes():
         {"action": "free_completed", "size": 512, "time_us": 13},
         {"action": "segment_free", "size": 2097152, "time_us": 14},
     ]
-    pts = moe_report_worker.cuda_trace_points(trace, baseline=4096)
+    pts = worker.cuda_trace_points(trace, baseline=4096)
     assert pts == [(10_000, 4608), (11_000, 5632), (13_000, 5120)]
     # Older torch without time_us: event order stands in for time.
     untimed = [{k: v for k, v in e.items() if k != "time_us"} for e in trace]
-    assert [t for t, _ in moe_report_worker.cuda_trace_points(untimed, 0)] == [1000, 2000, 4000]
+    assert [t for t, _ in worker.cuda_trace_points(untimed, 0)] == [1000, 2000, 4000]
 
 
 def test_downsample_keeps_each_buckets_maximum():
@@ -224,11 +222,11 @@ def test_device_check_runs_the_report_end_to_end(tmp_path, base_tree, patched_tr
 def test_bootstrap_interval_brackets_the_ratio_and_is_reproducible():
     base = [1.0, 1.1, 0.9, 1.05, 0.95, 1.0, 1.02, 0.98]
     patched = [x * 1.5 for x in base]
-    lo, hi = memory_report.bootstrap_ratio_ci(base, patched)
+    lo, hi = cli.bootstrap_ratio_ci(base, patched)
     assert lo <= 1.5 <= hi and hi - lo < 0.5
-    assert memory_report.bootstrap_ratio_ci(base, patched) == (lo, hi)
+    assert cli.bootstrap_ratio_ci(base, patched) == (lo, hi)
     # Identical samples: the interval is centred on 1.
-    lo, hi = memory_report.bootstrap_ratio_ci(base, list(base))
+    lo, hi = cli.bootstrap_ratio_ci(base, list(base))
     assert lo < 1.0 < hi
 
 
@@ -251,7 +249,7 @@ def test_release_timer_times_only_the_release_calls(patched_tree):
             self.token_dispatcher = dispatcher
 
     layer = Layer(Dispatcher())
-    timer = moe_report_worker.ReleaseTimer(torch.nn.Sequential(layer))
+    timer = worker.ReleaseTimer(torch.nn.Sequential(layer))
     layer.token_dispatcher.reset_transient_forward_state()
     layer.token_dispatcher.reset_transient_forward_state()
     spent = timer.take()
@@ -259,5 +257,5 @@ def test_release_timer_times_only_the_release_calls(patched_tree):
     assert 0.02 <= spent < 0.5
     assert timer.take() == 0.0
     # A tree without the release (the unpatched base) has nothing to time.
-    bare = moe_report_worker.ReleaseTimer(torch.nn.Sequential(Layer(object())))
+    bare = worker.ReleaseTimer(torch.nn.Sequential(Layer(object())))
     assert bare.take() is None

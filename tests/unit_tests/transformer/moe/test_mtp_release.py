@@ -8,9 +8,9 @@ AdamW) on both trees; the same figures come from
 
 import pytest
 
-import memory_report
+from report import cli
 
-CFG = dict(memory_report.QUICK, steps=2, mtp_layers=1)
+CFG = dict(cli.QUICK, steps=2, mtp_layers=1)
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,7 @@ def runs(base_tree, patched_tree):
     from cpu_runtime import cpu_memory
 
     cpu_memory.build()
-    return memory_report.measure(base_tree, patched_tree, dict(CFG))
+    return cli.measure(base_tree, patched_tree, dict(CFG))
 
 
 def test_mtp_moe_layer_is_released(runs):
