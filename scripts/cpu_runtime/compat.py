@@ -34,6 +34,7 @@ import types
 
 import torch
 
+from cpu_runtime import placement
 from cpu_runtime.host_streams import (  # noqa: F401 (re-exported)
     HOST_STREAMS,
     HostEvent,
@@ -115,7 +116,10 @@ def _needs_router_shim() -> bool:
 
 
 def host_zeros(*args, device=None, **kwargs) -> torch.Tensor:
-    """``torch.zeros`` with ``device="cuda"`` placed on the host."""
+    """``torch.zeros`` with ``device="cuda"`` placed on the host (under the placement rules,
+    which place ``device="cuda"`` themselves, a device tensor)."""
+    if placement.active():
+        return torch.zeros(*args, device=device, **kwargs)
     return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
 
@@ -160,9 +164,15 @@ def install_base_tree_shims() -> list:
     return installed
 
 
+def _host_current_device():
+    # Under the placement rules device 0 is the (emulated) GPU; without them, the host.
+    return 0 if placement.active() else "cpu"
+
+
 def _host_device_torch() -> types.ModuleType:
-    """``torch`` whose ``cuda.current_device()`` answers "cpu"; everything else is torch's."""
-    return _Proxy(torch, cuda=_Proxy(torch.cuda, current_device=lambda: "cpu"))
+    """``torch`` whose ``cuda.current_device()`` answers "cpu" (0 under the placement rules,
+    which place device 0 on the host as a device tensor); everything else is torch's."""
+    return _Proxy(torch, cuda=_Proxy(torch.cuda, current_device=_host_current_device))
 
 
 def _with_host_current_device(module, cls, method: str) -> None:
@@ -267,6 +277,14 @@ def host_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool 
     result is a copy (the device-to-host transfer), a numpy array when ``as_numpy``."""
     if not torch.is_tensor(tensor):
         return tensor
+    if placement.active():
+        # As on a GPU: a non-blocking copy into pinned host memory (host tensors stay).
+        if not tensor.is_cuda:
+            return tensor
+        out = tensor.to(torch.device("cpu"), non_blocking=True)
+        if record_stream:
+            tensor.record_stream(HOST_STREAMS.current_stream())
+        return out.numpy() if as_numpy else out
     out = tensor.detach().clone()
     return out.numpy() if as_numpy else out
 

@@ -109,7 +109,9 @@ def _staged_through_host(t: torch.Tensor, group) -> bool:
     one device, where NCCL refuses a duplicate GPU). Staging explicitly keeps the result
     independent of which collectives a torch build's gloo implements for CUDA.
     """
-    return t.device.type != "cpu" and dist.get_backend(group) == "gloo"
+    # The storage's device is where the memory really is (the CPU runtime's placement rules
+    # report a host tensor that stands in for a device one as ``cuda:0``).
+    return t.untyped_storage().device.type != "cpu" and dist.get_backend(group) == "gloo"
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:

@@ -82,7 +82,9 @@ class HostEvent:
         return True
 
     def synchronize(self) -> None:
-        pass
+        from cpu_runtime.placement import count_sync
+
+        count_sync("event.synchronize")
 
     def wait(self, stream: Optional["HostStream"] = None) -> None:
         HOST_STREAMS.log("wait", (stream or HOST_STREAMS.current).name, self.id)
@@ -128,7 +130,9 @@ class HostStream:
         return True
 
     def synchronize(self) -> None:
-        pass
+        from cpu_runtime.placement import count_sync
+
+        count_sync("stream.synchronize")
 
     def __repr__(self) -> str:
         return f"HostStream({self.name})"

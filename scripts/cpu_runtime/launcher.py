@@ -118,6 +118,8 @@ def run_distributed(
             "force_emulation": force_emulation,
             "device": device,
             "backend": backend,
+            # torch.compile traces the function mode's handlers; those jobs run without it.
+            "placement": placement_rules_enabled() and not torch_compile,
             # Hung ranks print their stacks shortly before the parent kills them.
             "dump_after": max(timeout - 10.0, 1.0),
         }
@@ -161,6 +163,12 @@ def run_distributed(
                 f"{target} on {world_size} ranks failed:\n" + "\n".join(errors)
             )
         return results
+
+
+def placement_rules_enabled() -> bool:
+    """``MOE_RELEASE_PLACEMENT`` (default on): ``0`` spawns CPU ranks without the placement
+    rules of :mod:`cpu_runtime.placement` (to tell a rule's failure from the code's)."""
+    return os.environ.get("MOE_RELEASE_PLACEMENT", "1") != "0"
 
 
 def _load_result(path: Path) -> Any:
@@ -211,6 +219,12 @@ def _rank_main(job: Path) -> int:
 
             emulation = load_deep_ep_emulation()
             emulation.install(force=spec["force_emulation"])
+        if spec["device"] == "cpu" and spec.get("placement", True):
+            # CUDA's placement rules on the host (cpu_runtime.placement): a rank refuses
+            # what a GPU would refuse.
+            from cpu_runtime import placement
+
+            placement.install()
         import importlib
 
         import torch.distributed as dist

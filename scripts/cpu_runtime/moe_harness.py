@@ -10,6 +10,7 @@ from typing import Dict
 
 import torch
 
+from cpu_runtime import placement
 from cpu_runtime.compat import (
     install_base_tree_shims,
     install_cpu_rng_shim,
@@ -112,13 +113,15 @@ def gpt_model(config, cfg: Dict, spec, mtp_spec=None):
     seq)."""
     from megatron.core.models.gpt import GPTModel
 
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=cfg["vocab"],
-        max_sequence_length=cfg["seq"],
-        position_embedding_type="learned_absolute",
-        mtp_block_spec=mtp_spec,
+    return on_device(
+        GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=cfg["vocab"],
+            max_sequence_length=cfg["seq"],
+            position_embedding_type="learned_absolute",
+            mtp_block_spec=mtp_spec,
+        )
     )
 
 
@@ -127,4 +130,11 @@ def build_moe_layer(config, layer_number: int = 1):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
     spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts)
-    return spec(config=config, layer_number=layer_number)
+    return on_device(spec(config=config, layer_number=layer_number))
+
+
+def on_device(module: torch.nn.Module) -> torch.nn.Module:
+    """``module.cuda()`` under the placement rules (:mod:`cpu_runtime.placement`), as megatron's
+    training loop and upstream's tests move a model built with ``use_cpu_initialization``:
+    its parameters become device tensors. Without the rules the host module as it is."""
+    return module.cuda() if placement.active() else module

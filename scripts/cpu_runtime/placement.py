@@ -53,7 +53,8 @@ PINNED = "pinned"
 PAGEABLE = "pageable"
 HOST = (PINNED, PAGEABLE)
 
-_ATTR = "_moe_release_placement"
+_ATTR = "_moe_release_placement"  # on the storage: (placement, call site that made it)
+_DEVICE_MARK = (DEVICE, "")
 CUDA_DEVICE = torch.device("cuda", 0)
 
 _TENSOR_DICT = torch._C.TensorBase.__dict__
@@ -64,6 +65,7 @@ _IS_CPU = _TENSOR_DICT["is_cpu"]
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _THIS_FILE = __file__
+_TRACE = os.environ.get("MOE_RELEASE_PLACEMENT_TRACE") == "1"
 
 
 class PlacementError(RuntimeError):
@@ -73,9 +75,17 @@ class PlacementError(RuntimeError):
 def placement_of(tensor: torch.Tensor) -> str:
     """The tensor's placement on a GPU (``device`` unless something made it a host tensor)."""
     try:
-        return getattr(tensor.untyped_storage(), _ATTR, DEVICE)
+        return getattr(tensor.untyped_storage(), _ATTR, _DEVICE_MARK)[0]
     except (RuntimeError, NotImplementedError):  # e.g. a tensor without storage
         return DEVICE
+
+
+def made_at(tensor: torch.Tensor) -> str:
+    """Where a host tensor's storage got its placement (``file:line``; "" for device ones)."""
+    try:
+        return getattr(tensor.untyped_storage(), _ATTR, _DEVICE_MARK)[1]
+    except (RuntimeError, NotImplementedError):
+        return ""
 
 
 def mark(tensor: torch.Tensor, placement: str) -> torch.Tensor:
@@ -87,7 +97,7 @@ def mark(tensor: torch.Tensor, placement: str) -> torch.Tensor:
         if hasattr(storage, _ATTR):
             delattr(storage, _ATTR)
     else:
-        setattr(storage, _ATTR, placement)
+        setattr(storage, _ATTR, (placement, _maker_site()))
     return tensor
 
 
@@ -103,9 +113,23 @@ def call_site(skip_runtime: bool = True) -> str:
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
-        if not name.startswith(_TORCH_DIR) and not (
-            skip_runtime and name.startswith(_RUNTIME_DIR)
-        ):
+        if not name.startswith(_TORCH_DIR) and not (skip_runtime and name.startswith(_RUNTIME_DIR)):
+            return f"{_short(name)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+def _maker_site() -> str:
+    """The innermost frame outside torch and this module (the emulation's own lines count);
+    with ``MOE_RELEASE_PLACEMENT_TRACE=1`` the whole stack."""
+    if _TRACE:
+        import traceback
+
+        return "\n" + "".join(traceback.format_stack(sys._getframe(2), limit=12))
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(_TORCH_DIR) and name != _THIS_FILE:
             return f"{_short(name)}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"
@@ -314,6 +338,8 @@ class PlacementMode(TorchFunctionMode):
                 "can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy "
                 "the tensor to host memory first."
             )
+        if func is torch.Tensor.backward or func is torch.autograd.backward:
+            return self._backward(func, args, kwargs)
         kind = _SYNC_METHODS.get(func)
         if kind is not None and placement_of(args[0]) == DEVICE:
             count_sync(kind)
@@ -390,10 +416,44 @@ class PlacementMode(TorchFunctionMode):
         on_cuda = _is_cuda_device(device)
         if on_cuda is None:
             out = tensor.to(*rest, **kwargs)
-            if out is not tensor:
+            if out is not tensor and placement_of(tensor) != DEVICE:
                 self._inherit(out, [tensor])
             return out
         return self._to(tensor, on_cuda, non_blocking, rest, kwargs)
+
+    def _backward(self, func, args, kwargs):
+        """``Tensor.backward``/``torch.autograd.backward`` with the rules in force inside: the
+        backward runs Python (custom autograd functions, hooks) and a handler runs with the mode
+        popped, so the engine is run here, as torch.autograd.backward runs it, with the mode
+        pushed back (calling ``func`` again would only come back to this handler)."""
+        from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+        from torch.autograd.graph import _engine_run_backward
+
+        names = ("gradient", "retain_graph", "create_graph", "inputs")
+        if func is torch.autograd.backward:
+            names = ("grad_tensors", "retain_graph", "create_graph", "grad_variables", "inputs")
+        bound = dict(zip(names, args[1:]))
+        bound.update(kwargs)
+        tensors = args[0] if args else bound.pop("tensors")
+        tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        grads = bound.get("gradient", bound.get("grad_tensors"))
+        grads = _make_grads(
+            tensors, _tensor_or_tensors_to_tuple(grads, len(tensors)), is_grads_batched=False
+        )
+        create_graph = bound.get("create_graph", False)
+        retain_graph = bound.get("retain_graph")
+        inputs = bound.get("inputs")
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs) if inputs else ()
+        with self:
+            _engine_run_backward(
+                tensors,
+                grads,
+                create_graph if retain_graph is None else retain_graph,
+                create_graph,
+                inputs,
+                allow_unreachable=True,
+                accumulate_grad=True,
+            )
 
     # -- every other op --------------------------------------------------------------------
     def _op(self, func, args, kwargs):
@@ -404,7 +464,7 @@ class PlacementMode(TorchFunctionMode):
         on_device = DEVICE in placements
         if on_device and func not in _MIXING_ALLOWED:
             host = [
-                f"{p} {tuple(t.shape)}"
+                f"{p} {tuple(t.shape)} made at {made_at(t)}"
                 for t, p in zip(inputs, placements)
                 if p != DEVICE and t.dim() > 0
             ]
@@ -425,7 +485,7 @@ class PlacementMode(TorchFunctionMode):
             except (RuntimeError, NotImplementedError):
                 continue
             if storage.data_ptr() not in storages and not hasattr(storage, _ATTR):
-                setattr(storage, _ATTR, PAGEABLE)
+                setattr(storage, _ATTR, (PAGEABLE, _maker_site()))
 
 
 class _State(threading.local):
@@ -452,9 +512,26 @@ def install() -> bool:
     mode = PlacementMode()
     mode.__enter__()
     _STATE.mode = mode
-    torch.cuda.current_device = _current_device
-    torch.cuda.synchronize = _synchronize
+    for name, stand_in in _cuda_stand_ins().items():
+        setattr(torch.cuda, name, stand_in)
     return True
+
+
+def _cuda_stand_ins() -> dict:
+    """What ``torch.cuda`` answers under the rules: device 0, the host streams and events of
+    :mod:`cpu_runtime.host_streams` (megatron's ``is_cuda`` branches call them), a counted
+    ``synchronize``."""
+    from cpu_runtime.host_streams import HOST_STREAMS, HostEvent, HostStream
+
+    return {
+        "current_device": _current_device,
+        "synchronize": _synchronize,
+        "current_stream": HOST_STREAMS.current_stream,
+        "default_stream": lambda device=None: HOST_STREAMS.default,
+        "stream": HOST_STREAMS.stream,
+        "Stream": HostStream,
+        "Event": HostEvent,
+    }
 
 
 @contextlib.contextmanager
@@ -463,15 +540,19 @@ def rules() -> Iterator[PlacementMode]:
     from cpu_runtime.host_streams import install_record_stream_stand_in
 
     install_record_stream_stand_in()
-    saved = _STATE.mode, torch.cuda.current_device, torch.cuda.synchronize
+    stand_ins = _cuda_stand_ins()
+    saved_mode, saved = _STATE.mode, {name: getattr(torch.cuda, name) for name in stand_ins}
     mode = PlacementMode()
     with mode:
         _STATE.mode = mode
-        torch.cuda.current_device, torch.cuda.synchronize = _current_device, _synchronize
+        for name, stand_in in stand_ins.items():
+            setattr(torch.cuda, name, stand_in)
         try:
             yield mode
         finally:
-            _STATE.mode, torch.cuda.current_device, torch.cuda.synchronize = saved
+            _STATE.mode = saved_mode
+            for name, real in saved.items():
+                setattr(torch.cuda, name, real)
 
 
 def _current_device() -> int:
@@ -480,8 +561,3 @@ def _current_device() -> int:
 
 def _synchronize(device=None) -> None:
     count_sync("torch.cuda.synchronize")
-
-
-def enabled_by_environment() -> bool:
-    """``MOE_RELEASE_PLACEMENT`` (default on): ``0`` runs without the placement rules."""
-    return os.environ.get("MOE_RELEASE_PLACEMENT", "1") != "0"

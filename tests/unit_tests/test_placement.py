@@ -121,3 +121,20 @@ def test_host_syncs_are_counted_with_their_call_site(rules):
 def test_rules_are_off_outside_the_block():
     host = torch.zeros(2)
     assert not host.is_cuda and not pl.active()
+
+
+def test_rules_hold_inside_the_backward(rules):
+    """A custom autograd function's backward runs under the rules too."""
+
+    class HostGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * torch.ones(grad.shape, device="cpu")  # the seeded bug
+
+    x = torch.ones(3, device="cuda", requires_grad=True)
+    with pytest.raises(RuntimeError, match="same device"):
+        HostGrad.apply(x).sum().backward()

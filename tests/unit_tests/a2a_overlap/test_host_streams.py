@@ -75,7 +75,15 @@ def rank_shim_scope():
         )
     schedules = importlib.import_module("megatron.core.pipeline_parallel.schedules")
     zeros = schedules.torch.zeros([], dtype=torch.int, device="cuda")
-    return {"changed": changed, "views": views, "zeros_device": str(zeros.device)}
+    from cpu_runtime import placement
+
+    return {
+        "changed": changed,
+        "views": views,
+        # Host memory, placed as a device tensor by the placement rules.
+        "zeros_device": str(zeros.untyped_storage().device),
+        "zeros_placement": placement.placement_of(zeros),
+    }
 
 
 def test_overlap_shim_replaces_only_stream_calls(dist_job, patched_tree):
@@ -88,4 +96,4 @@ def test_overlap_shim_replaces_only_stream_calls(dist_job, patched_tree):
         extra = ["zeros"] if name in a2a_overlap.DEVICE_MODULES else []
         assert overrides == sorted(["cuda"] + extra), name
         assert cuda == cuda_calls and untouched and matmul, name
-    assert res["zeros_device"] == "cpu"
+    assert res["zeros_device"] == "cpu" and res["zeros_placement"] == "device"

@@ -92,6 +92,8 @@ def _build_layers(dispatcher, backend, ep, num_layers=NUM_LAYERS, recompute="non
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from cpu_runtime import moe_harness
+
     kwargs = dict(
         num_layers=num_layers,
         hidden_size=HIDDEN,
@@ -119,7 +121,7 @@ def _build_layers(dispatcher, backend, ep, num_layers=NUM_LAYERS, recompute="non
     torch.manual_seed(4321)
     layers = []
     for i in range(num_layers):
-        layer = MoELayer(config, submodules)
+        layer = moe_harness.on_device(MoELayer(config, submodules))
         layer.set_layer_number(i + 1)
         layer.train()
         layers.append(layer)
