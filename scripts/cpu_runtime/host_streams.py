@@ -14,13 +14,24 @@ stand-in appends to :data:`HOST_STREAMS`'s ``ops`` log while ``HOST_STREAMS.reco
   that keeps a tensor's memory from being reused before ``s`` is done with it).
 
 Streams appear in the log by name (``default``, ``comm``, ...).
+
+**Ordering.** Each stream also keeps what CUDA would guarantee about the others: a sequence
+number per operation issued on it and, per other stream, the last of that stream's operations
+it has waited for (through ``wait_stream``, or an event recorded there and waited on here);
+the host keeps the same through ``synchronize`` of an event, a stream or the device. The
+placement rules (:mod:`cpu_runtime.placement`) stamp each tensor written by an op with its
+stream and sequence number and refuse a read on another stream (or, for ``item``/``tolist``,
+on the host) that is not ordered after that write: the race CUDA would run without a word.
 """
 
 import contextlib
 import itertools
-from typing import Callable, List, Optional, Tuple
+import weakref
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+
+_ALL_STREAMS: "weakref.WeakSet" = weakref.WeakSet()  # every HostStream made, for synchronize
 
 
 class HostStreams:
@@ -32,6 +43,25 @@ class HostStreams:
         self.recording = False
         self.default = HostStream(name="default", streams=self)
         self.current = self.default
+        # What the host has waited for: stream -> its last operation known complete.
+        self.host_known: Dict[HostStream, int] = {}
+
+    def host_waits_for(self, stream: "HostStream") -> None:
+        """The host blocks until everything issued on ``stream`` so far has run."""
+        _merge(self.host_known, stream.snapshot())
+
+    def device_synchronize(self) -> None:
+        """``torch.cuda.synchronize()``: the host has waited for every stream."""
+        for stream in list(_ALL_STREAMS):
+            _merge(self.host_known, {stream: stream.seq})
+
+    def ordered_after(self, writer: "HostStream", seq: int, reader=None) -> bool:
+        """Whether ``reader`` (a stream; None for the host) is ordered after operation ``seq``
+        of ``writer``."""
+        if reader is writer:
+            return True
+        known = self.host_known if reader is None else reader.known
+        return known.get(writer, 0) >= seq
 
     def log(self, *op) -> None:
         if self.recording:
@@ -76,6 +106,7 @@ class HostEvent:
 
     def record(self, stream: Optional["HostStream"] = None) -> None:
         self.stream = stream or HOST_STREAMS.current
+        self.known = self.stream.snapshot()
         HOST_STREAMS.log("record", self.stream.name, self.id)
 
     def query(self) -> bool:
@@ -85,9 +116,12 @@ class HostEvent:
         from cpu_runtime.placement import count_sync
 
         count_sync("event.synchronize")
+        _merge(HOST_STREAMS.host_known, getattr(self, "known", {}))
 
     def wait(self, stream: Optional["HostStream"] = None) -> None:
-        HOST_STREAMS.log("wait", (stream or HOST_STREAMS.current).name, self.id)
+        stream = stream or HOST_STREAMS.current
+        _merge(stream.known, getattr(self, "known", {}))
+        HOST_STREAMS.log("wait", stream.name, self.id)
 
 
 class HostStream:
@@ -102,6 +136,23 @@ class HostStream:
         self.priority = priority
         self.waited: list = []
         self._streams = streams
+        self.seq = 0  # operations issued on this stream so far
+        self.known: Dict[HostStream, int] = {}  # other stream -> last op waited for
+        _ALL_STREAMS.add(self)
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def tick(self) -> int:
+        """Issue one operation on this stream; returns its sequence number."""
+        self.seq += 1
+        return self.seq
+
+    def snapshot(self) -> Dict["HostStream", int]:
+        """What an event recorded now would carry: this stream's position and what it knows."""
+        out = dict(self.known)
+        out[self] = self.seq
+        return out
 
     @staticmethod
     def priority_range() -> Tuple[int, int]:
@@ -115,14 +166,17 @@ class HostStream:
         if not isinstance(stream, HostStream):
             raise TypeError(f"wait_stream expects a stream, got {type(stream).__name__}")
         self.waited.append(stream)
+        _merge(self.known, stream.snapshot())
         self._log("wait_stream", self.name, stream.name)
 
     def wait_event(self, event: HostEvent) -> None:
+        _merge(self.known, getattr(event, "known", {}))
         self._log("wait", self.name, event.id)
 
     def record_event(self, event: Optional[HostEvent] = None) -> HostEvent:
         event = event or HostEvent(self)
         event.stream = self
+        event.known = self.snapshot()
         self._log("record", self.name, event.id)
         return event
 
@@ -133,9 +187,16 @@ class HostStream:
         from cpu_runtime.placement import count_sync
 
         count_sync("stream.synchronize")
+        _merge(HOST_STREAMS.host_known, self.snapshot())
 
     def __repr__(self) -> str:
         return f"HostStream({self.name})"
+
+
+def _merge(known: Dict["HostStream", int], other: Dict["HostStream", int]) -> None:
+    for stream, seq in other.items():
+        if known.get(stream, 0) < seq:
+            known[stream] = seq
 
 
 HOST_STREAMS = HostStreams()

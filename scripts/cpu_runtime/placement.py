@@ -48,6 +48,8 @@ from typing import Dict, Iterator, Optional, Tuple
 import torch
 from torch.overrides import TorchFunctionMode
 
+from cpu_runtime.host_streams import HOST_STREAMS
+
 DEVICE = "device"
 PINNED = "pinned"
 PAGEABLE = "pageable"
@@ -302,6 +304,82 @@ def _mismatch(func, devices) -> PlacementError:
     )
 
 
+# Ops that read no tensor data (metadata only): no stream ordering to check.
+_NO_DATA = frozenset(
+    {
+        torch._has_compatible_shallow_copy_type,
+        torch.Tensor.untyped_storage,
+        torch.Tensor.data_ptr,
+        torch.Tensor.size,
+        torch.Tensor.dim,
+        torch.Tensor.numel,
+        torch.Tensor.stride,
+        torch.Tensor.__len__,
+        torch.Tensor.record_stream,
+        torch.Tensor.set_,
+        torch.Tensor.element_size,
+        torch.Tensor.is_contiguous,
+        torch.Tensor.storage_offset,
+    }
+)
+# Factories that leave memory uninitialized: they write nothing a stream could race on.
+_UNINITIALIZED = frozenset(
+    {torch.empty, torch.empty_strided, torch.empty_like, torch.Tensor.new_empty,
+     torch.Tensor.new_empty_strided}
+)  # fmt: skip
+_WRITE = "_moe_release_last_write"  # on the storage: (stream, sequence number)
+
+
+def _in_place(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return (
+        (name.endswith("_") and not name.startswith("__"))
+        or (name.startswith("__i") and name not in ("__index__", "__int__", "__invert__"))
+        or name == "__setitem__"
+    )
+
+
+def _stamp(tensors) -> None:
+    """The current stream writes ``tensors`` (one operation)."""
+    stream = HOST_STREAMS.current
+    seq = stream.tick()
+    for t in tensors:
+        try:
+            setattr(t.untyped_storage(), _WRITE, (stream, seq))
+        except (RuntimeError, NotImplementedError):
+            pass
+
+
+def _written(tensor: torch.Tensor, func) -> torch.Tensor:
+    """Stamp a factory's device output as written by the current stream (unless it is left
+    uninitialized)."""
+    if func not in _UNINITIALIZED and placement_of(tensor) == DEVICE:
+        _stamp([tensor])
+    return tensor
+
+
+def _check_read(tensor: torch.Tensor, reader, func) -> None:
+    """Refuse a read of ``tensor`` by ``reader`` (a stream; None for the host) that CUDA
+    would not order after the tensor's last write on another stream."""
+    try:
+        write = getattr(tensor.untyped_storage(), _WRITE, None)
+    except (RuntimeError, NotImplementedError):
+        return
+    if write is None or HOST_STREAMS.ordered_after(write[0], write[1], reader):
+        return
+    name = getattr(func, "__name__", repr(func))
+    where = "the host" if reader is None else f"stream {reader.name!r}"
+    raise StreamOrderError(
+        f"{name} on {where} reads a tensor {tuple(tensor.shape)} written on stream "
+        f"{write[0].name!r} without waiting for it (no wait_stream/wait_event/synchronize "
+        f"orders the read after the write: on a GPU this is a race); at {call_site()}"
+    )
+
+
+class StreamOrderError(RuntimeError):
+    """A read that CUDA would not order after the write it depends on (a race on a GPU)."""
+
+
 class PlacementMode(TorchFunctionMode):
     """Track placement, answer CUDA's view of a tensor, enforce CUDA's rules, count syncs."""
 
@@ -341,8 +419,14 @@ class PlacementMode(TorchFunctionMode):
         if func is torch.Tensor.backward or func is torch.autograd.backward:
             return self._backward(func, args, kwargs)
         kind = _SYNC_METHODS.get(func)
-        if kind is not None and placement_of(args[0]) == DEVICE:
-            count_sync(kind)
+        if kind is not None:
+            if placement_of(args[0]) == DEVICE:
+                # Reads on the current stream and waits for it (cudaMemcpy's implicit sync).
+                _check_read(args[0], HOST_STREAMS.current, func)
+                count_sync(kind)
+                HOST_STREAMS.host_waits_for(HOST_STREAMS.current)
+            else:
+                _check_read(args[0], None, func)
             return func(*args, **kwargs)
         return self._op(func, args, kwargs)
 
@@ -366,7 +450,7 @@ class PlacementMode(TorchFunctionMode):
                 return self._to(args[0], placement == DEVICE, False, (), {"dtype": kwargs.get(
                     "dtype")} if kwargs.get("dtype") else {})  # fmt: skip
             return func(*args, **kwargs)
-        return mark(func(*args, **kwargs), placement)
+        return _written(mark(func(*args, **kwargs), placement), func)
 
     def _like(self, func, args, kwargs):
         device = kwargs.get("device")
@@ -381,21 +465,33 @@ class PlacementMode(TorchFunctionMode):
             kwargs["device"] = "cpu"
         if pinned:
             placement = PINNED
-        return mark(func(*args, **kwargs), placement)
+        return _written(mark(func(*args, **kwargs), placement), func)
 
     # -- moves -----------------------------------------------------------------------------
     def _to(self, tensor, to_cuda: bool, non_blocking: bool, args, kwargs):
         src = placement_of(tensor)
         kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "non_blocking")}
         if (src == DEVICE) == to_cuda:
-            return tensor.to(*args, **kwargs) if (args or kwargs) else tensor
+            if not (args or kwargs):
+                return tensor
+            out = tensor.to(*args, **kwargs)
+            if src == DEVICE and out is not tensor:
+                _check_read(tensor, HOST_STREAMS.current, torch.Tensor.to)
+                _stamp([out])
+            return out
+        stream = HOST_STREAMS.current
+        _check_read(tensor, stream, torch.Tensor.to)
         out = tensor.to(*args, **kwargs, copy=True) if (args or kwargs) else tensor.clone()
         if to_cuda:
+            _stamp([out])
             return mark(out, DEVICE)
         if non_blocking:
-            # torch's _to_copy pins the output of a non-blocking device-to-host copy.
+            # torch's _to_copy pins the output of a non-blocking device-to-host copy, which
+            # the stream writes later: the host must wait for it before reading.
+            _stamp([out])
             return mark(out, PINNED)
         count_sync("copy to host")
+        HOST_STREAMS.host_waits_for(stream)
         return mark(out, PAGEABLE)
 
     def _tensor_to(self, args, kwargs):
@@ -470,9 +566,20 @@ class PlacementMode(TorchFunctionMode):
             ]
             if host:
                 raise _mismatch(func, host)
+        reads_data = func not in _NO_DATA
+        # A device op runs on the current stream; a host op on the host, at once.
+        reader = HOST_STREAMS.current if on_device else None
+        if reads_data:
+            for t in inputs:
+                _check_read(t, reader, func)
         out = func(*args, **kwargs)
         if not on_device:
             self._inherit(out, inputs)
+        elif reads_data:
+            written = list(_tensors(out if isinstance(out, (list, tuple)) else (out,)))
+            if _in_place(func) and isinstance(args[0], torch.Tensor):
+                written.append(args[0])
+            _stamp(written)
         return out
 
     @staticmethod
@@ -561,3 +668,4 @@ def _current_device() -> int:
 
 def _synchronize(device=None) -> None:
     count_sync("torch.cuda.synchronize")
+    HOST_STREAMS.device_synchronize()

@@ -138,3 +138,37 @@ def test_rules_hold_inside_the_backward(rules):
     x = torch.ones(3, device="cuda", requires_grad=True)
     with pytest.raises(RuntimeError, match="same device"):
         HostGrad.apply(x).sum().backward()
+
+
+def test_a_read_on_another_stream_without_a_wait_is_a_race(rules):
+    """The host streams order operations as CUDA does: a tensor written on a side stream and
+    read on the default stream without wait_stream/wait_event fails; with either, it runs."""
+    side = HostStream(name="side")
+    with HOST_STREAMS.stream(side):
+        produced = torch.ones(4, device="cuda") * 2
+    with pytest.raises(pl.StreamOrderError, match="written on stream 'side' without waiting"):
+        produced + 1
+    HOST_STREAMS.current.wait_stream(side)
+    assert (produced + 1).is_cuda
+    with HOST_STREAMS.stream(side):
+        again = produced * 3
+        event = side.record_event()
+    with pytest.raises(pl.StreamOrderError):
+        again.sum()
+    HOST_STREAMS.current.wait_event(event)
+    again.sum()
+
+
+def test_a_host_read_of_a_pending_copy_is_a_race(rules):
+    """A non-blocking device-to-host copy lands later: reading it on the host before an event
+    or stream synchronize is a race on a GPU (the DtoH-stream pattern)."""
+    side = HostStream(name="dtoh")
+    on_device = torch.arange(4, device="cuda")
+    side.wait_stream(HOST_STREAMS.current)
+    with HOST_STREAMS.stream(side):
+        copy = on_device.to("cpu", non_blocking=True)
+        done = side.record_event()
+    with pytest.raises(pl.StreamOrderError, match="on the host"):
+        copy.tolist()
+    done.synchronize()
+    assert copy.tolist() == [0, 1, 2, 3]

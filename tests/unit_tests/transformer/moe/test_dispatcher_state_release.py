@@ -9,6 +9,7 @@ proven with weakrefs after ``gc.collect()`` and by summing the bytes of the tens
 dispatcher and its manager still reference; each retention test fails on the base tree.
 """
 
+import collections
 import copy
 import functools
 import gc
@@ -19,7 +20,7 @@ import weakref
 
 import pytest
 
-from cpu_runtime.launcher import run_distributed
+from cpu_runtime.launcher import DistributedTestError, run_distributed
 
 PATCHED_TREE = os.environ.get("MOE_RELEASE_TREE")
 BASE_TREE = os.environ.get("MOE_RELEASE_BASE_TREE")
@@ -297,11 +298,17 @@ def rank_train(
     steps=2,
     tp=1,
     variant=None,
+    seed_sync=False,
+    seed_mismatch=False,
 ):
     """Forward+backward ``steps`` times through a stack of MoE layers.
 
     Returns the losses, outputs and gradients of the last step, the weakref census after the
-    step with everything dropped, and the bytes each layer's dispatcher still holds.
+    step with everything dropped, the bytes each layer's dispatcher still holds, and the
+    device-to-host syncs of the last step by kind and call site. ``seed_sync`` adds an
+    ``.item()`` to every combine (the seeded defect the sync comparison must catch);
+    ``seed_mismatch`` hands the dispatchers a routing map in host memory (the placement rules
+    must refuse it as CUDA would).
     """
     import torch
 
@@ -311,12 +318,20 @@ def rank_train(
     runners = layers
     if compile_:
         runners = [torch.compile(layer, backend="aot_eager") for layer in layers]
+    from cpu_runtime import placement
+
     tracker = _Tracker(layers)
     # What the probe attributes to each dispatcher before any forward (the over-budget flag,
     # static index tensors) is persistent, not per-step state.
     persistent = [_probe(layer, i, exclude=None)[1] for i, layer in enumerate(layers)]
+    if seed_sync:
+        _seed_host_sync(layers)
+    if seed_mismatch:
+        _seed_host_routing_map(layers)
     result = {}
     for step in range(steps):
+        # The host syncs of the last (warm) step, forward and backward (cpu_runtime.placement).
+        placement.SYNCS.clear()
         for layer in layers:
             layer.zero_grad(set_to_none=True)
         x = _input(seed=step).requires_grad_()
@@ -328,12 +343,38 @@ def rank_train(
             loss=loss.detach().clone(), output=out.detach().clone(), grads=_grads(layers, x)
         )
         del x, out, loss
+    result["syncs"] = dict(placement.SYNCS)
     result["alive"] = tracker.alive()
     result["held_bytes"] = [held_state_bytes(layer.token_dispatcher) for layer in layers]
     result["probe_bytes"] = [
         _probe(layer, i, exclude=persistent[i])[0] for i, layer in enumerate(layers)
     ]
     return result
+
+
+def _seed_host_sync(layers):
+    """A defect on the hot path: every combine reads a device scalar on the host."""
+    for layer in layers:
+        dispatcher = layer.token_dispatcher
+        combine = dispatcher.token_combine
+
+        def token_combine(hidden_states, *args, _combine=combine, **kwargs):
+            hidden_states.float().abs().sum().item()  # the seeded sync
+            return _combine(hidden_states, *args, **kwargs)
+
+        dispatcher.token_combine = token_combine
+
+
+def _seed_host_routing_map(layers):
+    """A defect on the hot path: the router's routing map lands in host memory."""
+    for layer in layers:
+        router_forward = layer.router.forward
+
+        def forward(*args, _forward=router_forward, **kwargs):
+            probs, routing_map = _forward(*args, **kwargs)
+            return probs, routing_map.cpu()  # the seeded host tensor
+
+        layer.router.forward = forward
 
 
 def rank_train_modes(dispatcher, backend, ep, recomputes, tp=1, variant=None):
@@ -865,6 +906,60 @@ def test_bitwise_equal_to_base(dispatcher, backend, ep, recompute):
     base = _train(BASE_TREE, dispatcher, backend, ep, recompute)
     for p, b in zip(patched, base):
         _assert_bitwise(p, b)
+
+
+def sync_counts(result) -> "collections.Counter":
+    """One rank's host syncs of a step by (kind, file): line numbers move with the patches."""
+    counts = collections.Counter()
+    for (kind, site), n in result["syncs"].items():
+        counts[(kind, site.rsplit(":", 1)[0])] += n
+    return counts
+
+
+def added_syncs(patched, base) -> list:
+    """The host syncs (kind @ file, per rank) that ``patched`` makes and ``base`` does not."""
+    added = []
+    for rank, (p, b) in enumerate(zip(patched, base)):
+        extra = sync_counts(p) - sync_counts(b)
+        added += [f"rank {rank}: {n} x {kind} @ {where}" for (kind, where), n in extra.items()]
+    return added
+
+
+@needs_base
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+@pytest.mark.parametrize("dispatcher,backend,ep", _params(CONFIGS))
+def test_series_adds_no_host_sync(dispatcher, backend, ep, recompute):
+    """The release adds no device-to-host synchronization to a training step: per kind
+    (``.item()``, ``.tolist()``, blocking copies to the host, stream/event/device
+    synchronize) and file, the patched step syncs no more often than the base's."""
+    patched = _train(PATCHED_TREE, dispatcher, backend, ep, recompute)
+    base = _train(BASE_TREE, dispatcher, backend, ep, recompute)
+    assert added_syncs(patched, base) == []
+
+
+@needs_tree
+def test_seeded_host_sync_is_caught():
+    """The comparison above is not vacuous: an ``.item()`` seeded into every combine is
+    reported with its call site."""
+    kwargs = dict(dispatcher="flex", backend="hybridep", ep=2, recompute="none")
+    clean = _train(PATCHED_TREE, "flex", "hybridep", 2, "none")
+    seeded = run_distributed(
+        f"{THIS}:rank_train", 2, PATCHED_TREE, dict(kwargs, seed_sync=True), timeout=600
+    )
+    added = added_syncs(seeded, clean)
+    assert len(added) == 2, added
+    assert all(f"{NUM_LAYERS} x item @ test_dispatcher_state_release.py" in a for a in added)
+
+
+@needs_tree
+def test_seeded_device_mismatch_is_caught():
+    """A routing map handed to the dispatcher in host memory fails here as it would on a GPU
+    (CUDA's device-mismatch error, from the CPU runtime's placement rules)."""
+    kwargs = dict(dispatcher="flex", backend="hybridep", ep=2, recompute="none")
+    with pytest.raises(DistributedTestError, match="Expected all tensors to be on the same"):
+        run_distributed(
+            f"{THIS}:rank_train", 2, PATCHED_TREE, dict(kwargs, seed_mismatch=True), timeout=300
+        )
 
 
 @needs_base
