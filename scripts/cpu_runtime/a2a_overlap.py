@@ -183,6 +183,9 @@ def overlap_run(cfg: Dict[str, Any]) -> Dict[str, Any]:
         if cfg.get("timeline"):
             cpu_memory.start_recording()
             t0 = cpu_memory.now_ns()
+    from cpu_runtime import placement
+
+    placement.SYNCS.clear()
     try:
         with HOST_STREAMS.record() as ops:
             out = get_forward_backward_func()(
@@ -203,6 +206,8 @@ def overlap_run(cfg: Dict[str, Any]) -> Dict[str, Any]:
         "comm_stream": comm.name if comm is not None else None,
         "record_stream": [op for op in ops if op[0] == "record_stream"],
         "comm_ops": sum(1 for op in ops if "comm" in op[1:2]),
+        # The step's device-to-host syncs by (kind, call site) (cpu_runtime.placement).
+        "syncs": dict(placement.SYNCS),
     }
     if watch is not None:
         result.update(

@@ -168,6 +168,24 @@ def syncs_by_site() -> Dict[str, int]:
     return {f"{kind} @ {site}": n for (kind, site), n in sorted(SYNCS.items())}
 
 
+def sync_counts(syncs: Dict[Tuple[str, str], int]) -> "collections.Counter[Tuple[str, str]]":
+    """Syncs by (kind, file): line numbers move with the patches, files and kinds do not."""
+    counts: collections.Counter[Tuple[str, str]] = collections.Counter()
+    for (kind, site), n in syncs.items():
+        counts[(kind, site.rsplit(":", 1)[0])] += n
+    return counts
+
+
+def added_syncs(patched: list, base: list) -> list:
+    """The syncs (``"rank R: N x kind @ file"``) that ranks' ``patched`` results (each with a
+    ``"syncs"`` entry, as :data:`SYNCS` holds them) make beyond ``base``'s."""
+    added = []
+    for rank, (p, b) in enumerate(zip(patched, base)):
+        extra = sync_counts(p["syncs"]) - sync_counts(b["syncs"])
+        added += [f"rank {rank}: {n} x {kind} @ {where}" for (kind, where), n in extra.items()]
+    return added
+
+
 # ---------------------------------------------------------------------------------------------
 # The mode
 

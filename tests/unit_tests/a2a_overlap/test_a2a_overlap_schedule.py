@@ -66,6 +66,17 @@ def test_overlap_is_bitwise_equal_to_no_overlap(dist_job, patched_tree, base_tre
 
 
 @pytest.mark.parametrize("case", CASES)
+def test_overlap_step_adds_no_host_sync(dist_job, patched_tree, base_tree, case):
+    """The overlap patches add no device-to-host sync to the overlapped step (per kind and
+    file, as the dispatcher tests compare them; cpu_runtime.placement counts them)."""
+    from cpu_runtime.placement import added_syncs
+
+    patched = _run(dist_job, patched_tree, case, overlap=True)
+    base = _run(dist_job, base_tree, case, overlap=True)
+    assert added_syncs(patched, base) == []
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_patched_overlap_is_bitwise_equal_to_base(dist_job, patched_tree, base_tree, case):
     _assert_bitwise(
         _run(dist_job, patched_tree, case, overlap=True),

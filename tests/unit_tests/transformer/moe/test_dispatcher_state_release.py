@@ -9,7 +9,6 @@ proven with weakrefs after ``gc.collect()`` and by summing the bytes of the tens
 dispatcher and its manager still reference; each retention test fails on the base tree.
 """
 
-import collections
 import copy
 import functools
 import gc
@@ -21,6 +20,7 @@ import weakref
 import pytest
 
 from cpu_runtime.launcher import DistributedTestError, run_distributed
+from cpu_runtime.placement import added_syncs
 
 PATCHED_TREE = os.environ.get("MOE_RELEASE_TREE")
 BASE_TREE = os.environ.get("MOE_RELEASE_BASE_TREE")
@@ -906,23 +906,6 @@ def test_bitwise_equal_to_base(dispatcher, backend, ep, recompute):
     base = _train(BASE_TREE, dispatcher, backend, ep, recompute)
     for p, b in zip(patched, base):
         _assert_bitwise(p, b)
-
-
-def sync_counts(result) -> "collections.Counter":
-    """One rank's host syncs of a step by (kind, file): line numbers move with the patches."""
-    counts = collections.Counter()
-    for (kind, site), n in result["syncs"].items():
-        counts[(kind, site.rsplit(":", 1)[0])] += n
-    return counts
-
-
-def added_syncs(patched, base) -> list:
-    """The host syncs (kind @ file, per rank) that ``patched`` makes and ``base`` does not."""
-    added = []
-    for rank, (p, b) in enumerate(zip(patched, base)):
-        extra = sync_counts(p) - sync_counts(b)
-        added += [f"rank {rank}: {n} x {kind} @ {where}" for (kind, where), n in extra.items()]
-    return added
 
 
 @needs_base
