@@ -66,7 +66,8 @@ class _Proxy(types.ModuleType):
         return getattr(self.__dict__["_target"], name)
 
 
-_SHADOW_CUDA_GENERATOR = torch.Generator()
+# The device generator of the placement rules: random ops on device tensors draw from it there.
+_SHADOW_CUDA_GENERATOR = placement.CUDA_GENERATOR
 
 
 def _shadow_get_state(*args, **kwargs) -> torch.Tensor:

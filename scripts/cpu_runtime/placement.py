@@ -398,6 +398,56 @@ class StreamOrderError(RuntimeError):
     """A read that CUDA would not order after the write it depends on (a race on a GPU)."""
 
 
+# The generator of the (emulated) GPU: random ops on device tensors draw from it, as CUDA's
+# draw from the device generator and not the host's; torch.cuda's and megatron's CUDA RNG
+# state calls read and set it (cpu_runtime.compat.install_cpu_rng_shim).
+CUDA_GENERATOR = torch.Generator()
+
+_RANDOM = frozenset(
+    {
+        torch.nn.functional.dropout,
+        torch.dropout,
+        torch.bernoulli,
+        torch.Tensor.bernoulli,
+        torch.Tensor.bernoulli_,
+        torch.Tensor.uniform_,
+        torch.Tensor.normal_,
+        torch.Tensor.random_,
+        torch.Tensor.exponential_,
+        torch.normal,
+        torch.multinomial,
+        torch.Tensor.multinomial,
+        torch.rand_like,
+        torch.randn_like,
+        torch.randint_like,
+        torch.rand,
+        torch.randn,
+        torch.randint,
+        torch.randperm,
+    }
+)
+
+
+def _draws_on_device(args, kwargs) -> bool:
+    tensors = list(_tensors(args))
+    if tensors:
+        return any(placement_of(t) == DEVICE for t in tensors)
+    return bool(_is_cuda_device(kwargs.get("device")))
+
+
+@contextlib.contextmanager
+def device_rng():
+    """Run a random op on the device generator :data:`CUDA_GENERATOR` (the host generator's
+    state is set aside meanwhile)."""
+    host = torch.default_generator.get_state()
+    torch.default_generator.set_state(CUDA_GENERATOR.get_state())
+    try:
+        yield
+    finally:
+        CUDA_GENERATOR.set_state(torch.default_generator.get_state())
+        torch.default_generator.set_state(host)
+
+
 class PlacementMode(TorchFunctionMode):
     """Track placement, answer CUDA's view of a tensor, enforce CUDA's rules, count syncs."""
 
@@ -412,6 +462,12 @@ class PlacementMode(TorchFunctionMode):
             return placement_of(args[0]) != DEVICE
         if owner is not None and type(owner).__name__ == "getset_descriptor":
             return func(*args, **kwargs)  # attribute access (``.data = ...``, ``.grad``, ...)
+        if func in _RANDOM and kwargs.get("generator") is None and _draws_on_device(args, kwargs):
+            with device_rng():
+                return self._dispatch(func, owner, args, kwargs)
+        return self._dispatch(func, owner, args, kwargs)
+
+    def _dispatch(self, func, owner, args, kwargs):
         if func in _FACTORIES:
             return self._factory(func, args, kwargs)
         if func in _LIKE or func in _NEW:
@@ -649,6 +705,9 @@ def _cuda_stand_ins() -> dict:
     from cpu_runtime.host_streams import HOST_STREAMS, HostEvent, HostStream
 
     return {
+        "get_rng_state": lambda device="cuda": CUDA_GENERATOR.get_state(),
+        "set_rng_state": lambda new_state, device="cuda": CUDA_GENERATOR.set_state(new_state),
+        "manual_seed": lambda seed: CUDA_GENERATOR.manual_seed(seed),
         "current_device": _current_device,
         "synchronize": _synchronize,
         "current_stream": HOST_STREAMS.current_stream,

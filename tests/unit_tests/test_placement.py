@@ -172,3 +172,26 @@ def test_a_host_read_of_a_pending_copy_is_a_race(rules):
         copy.tolist()
     done.synchronize()
     assert copy.tolist() == [0, 1, 2, 3]
+
+
+def test_device_random_ops_draw_from_the_device_generator(rules):
+    """Dropout on a device tensor draws from the device generator, as on a GPU: a recompute
+    that restores only the host RNG state (wrong on CUDA) gets another mask; restoring
+    torch.cuda's state (what megatron's CheckpointFunction does) gets the same."""
+    x = torch.ones(64, device="cuda")
+    host_state, device_state = torch.get_rng_state(), torch.cuda.get_rng_state()
+    first = torch.nn.functional.dropout(x, p=0.5)
+    torch.set_rng_state(host_state)  # the wrong restore
+    assert not torch.equal(torch.nn.functional.dropout(x, p=0.5), first)
+    torch.cuda.set_rng_state(device_state)
+    assert torch.equal(torch.nn.functional.dropout(x, p=0.5), first)
+    # Host tensors keep drawing from the host generator.
+    torch.set_rng_state(host_state)
+    a = torch.rand(4, device="cpu")
+    torch.set_rng_state(host_state)
+    assert torch.equal(torch.rand(4, device="cpu"), a)
+
+
+def test_current_device_is_the_emulated_gpu(rules):
+    assert torch.cuda.current_device() == 0
+    assert pl.placement_of(torch.zeros(1, device=torch.cuda.current_device())) == pl.DEVICE
