@@ -338,6 +338,7 @@ _NO_DATA = frozenset(
         torch.Tensor.element_size,
         torch.Tensor.is_contiguous,
         torch.Tensor.storage_offset,
+        torch.Tensor.numpy,  # a view: the array's reads are numpy's, not tracked
     }
 )
 # Factories that leave memory uninitialized: they write nothing a stream could race on.
