@@ -6,6 +6,8 @@ installed megatron-core matches the series)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -79,12 +81,30 @@ def find_installed_core(python: str) -> tuple[Path, Optional[str]]:
         "except importlib.metadata.PackageNotFoundError:\n    v = None\n"
         "print(json.dumps({'core': core[0] if core else None, 'version': v}))\n"
     )
-    result = subprocess.run(
-        [python, "-c", code], capture_output=True, text=True, cwd=tempfile.gettempdir()
-    )
+    found = shutil.which(python) if os.sep not in python else python
+    if found is None:
+        raise UserError(f"{python}: no such interpreter on PATH")
+    path = Path(found)
+    if not path.exists():
+        raise UserError(f"{python}: interpreter does not exist")
+    if path.is_dir():
+        raise UserError(f"{python}: is a directory, not an interpreter")
+    if not os.access(path, os.X_OK):
+        raise UserError(f"{python}: is not executable")
+    try:
+        result = subprocess.run(
+            [found, "-c", code], capture_output=True, text=True, cwd=tempfile.gettempdir()
+        )
+    except OSError as exc:
+        raise UserError(f"{python}: cannot run it: {exc.strerror or exc}") from None
     if result.returncode != 0:
-        raise UserError(f"{python}: cannot inspect the environment: {result.stderr.strip()[-200:]}")
-    info = json.loads(result.stdout)
+        why = (result.stderr.strip().splitlines() or ["no output"])[-1][-200:]
+        raise UserError(f"{python}: cannot inspect the environment: {why}")
+    try:
+        info = json.loads(result.stdout)
+        info["core"], info["version"]
+    except (ValueError, TypeError, KeyError):
+        raise UserError(f"{python}: does not answer as a Python interpreter") from None
     if not info["core"]:
         raise UserError(f"{python}: megatron-core is not installed")
     return Path(info["core"]), info["version"]

@@ -35,8 +35,14 @@ from .patches import overlay_label, parse_patch
 from .pins import load_pins
 from .repo import overlay_files, read_series
 from .sdist import fetch_sdist, read_sdist
-from .trees import MANIFEST_PATH, ensure_trees, load_tree, materialize
-from .upstream import check_export, export_upstream, identity, target_series
+from .trees import MANIFEST_PATH, check_target_dir, ensure_trees, load_tree, materialize
+from .upstream import (
+    check_checkout_dir,
+    check_export,
+    export_upstream,
+    identity,
+    target_series,
+)
 
 
 def _cmd_fetch(args: argparse.Namespace) -> int:
@@ -59,6 +65,7 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
 
 def _cmd_edit(args: argparse.Namespace) -> int:
     base = load_pins().get(args.base)
+    check_target_dir(Path(args.dir))
     patches = read_series(base)
     create_edit_repo(Path(args.dir), base, read_sdist(fetch_sdist(base)), patches)
     print(f"{args.dir}: megatron-core {base.version} at tag `base`, {len(patches)} patch commit(s)")
@@ -104,6 +111,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    load_pins().get(args.base)  # an unknown --base before the interpreter is asked
     core_dir, dist_version = find_installed_core(args.python)
     tree = load_tree(args.base)
     problems = verify_installed(core_dir, dist_version, tree)
@@ -157,6 +165,10 @@ def _cmd_landed(args: argparse.Namespace) -> int:
 
 
 def _cmd_upstream(args: argparse.Namespace) -> int:
+    target_series(args.target)  # bad arguments first, before anything is written
+    check_target_dir(Path(args.outdir))
+    if args.check:
+        check_checkout_dir(Path(args.check))
     ident = identity()
     paths = export_upstream(args.target, Path(args.outdir), ident, args.topic)
     print(f"wrote {len(paths)} {args.topic} patches for {args.target} to {args.outdir}, "

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 from .common import REPO_ROOT, UserError
 from .patches import check_trailers, parse_patch, parse_series, series_header
 from .pins import Base, load_pins
-from .trees import atomic_directory, write_files
+from .trees import atomic_directory, os_error, write_files
 
 # Fixed identities and dates make `edit` reproducible and `export` byte-stable.
 BASE_IDENT = ("megatron-core sdist", "sdist@moe-release.invalid", "2000-01-01T00:00:00+00:00")
@@ -75,8 +75,9 @@ def git(
 def create_edit_repo(
     dest: Path, base: Base, base_files: dict[str, bytes], patches: Sequence[tuple[str, bytes]]
 ) -> None:
-    """Git repo at dest: the base as one commit tagged `base`, then one commit per patch."""
-    with atomic_directory(dest) as tmp:
+    """Git repo at dest (absent or empty, in an existing directory): the base as one commit
+    tagged `base`, then one commit per patch."""
+    with atomic_directory(dest, make_parents=False) as tmp:
         write_files(tmp, base_files)
         git(tmp, "init", "--quiet", "--initial-branch=main")
         git(tmp, "config", "moerelease.base", base.version)
@@ -127,6 +128,10 @@ def format_patches(repo: Path) -> list[tuple[str, bytes]]:
 def export_series(repo: Path, root: Path = REPO_ROOT) -> tuple[Base, list[str], list[str]]:
     """Write the edit repo's commits back into the series dir; returns (base, written, deleted)."""
     repo = repo.absolute()
+    if not repo.exists():
+        raise UserError(f"{repo}: does not exist (give the directory `edit` made)")
+    if not repo.is_dir():
+        raise UserError(f"{repo}: is not a directory (give the directory `edit` made)")
     try:
         version = git(repo, "config", "moerelease.base").decode().strip()
     except UserError:
@@ -140,7 +145,10 @@ def export_series(repo: Path, root: Path = REPO_ROOT) -> tuple[Base, list[str], 
         if missing:
             raise UserError(f"{name}: commit lacks trailer(s) {', '.join(missing)}")
     sdir = base.series_dir(root)
-    sdir.mkdir(parents=True, exist_ok=True)
+    try:
+        sdir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise os_error(exc, str(sdir)) from None
     series_file = sdir / "series"
     old_text = series_file.read_text() if series_file.exists() else ""
     old_names = parse_series(old_text, str(series_file)) if old_text else []
@@ -162,11 +170,13 @@ def export_series(repo: Path, root: Path = REPO_ROOT) -> tuple[Base, list[str], 
     try:
         for path, data in staged:
             tmp_path = path.with_name(f".{path.name}.tmp")
-            tmp_path.write_bytes(data)
             tmp_paths.append((tmp_path, path))
-    except BaseException:
+            tmp_path.write_bytes(data)
+    except BaseException as exc:
         for tmp_path, _ in tmp_paths:
             tmp_path.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise os_error(exc, str(sdir)) from None
         raise
     for tmp_path, path in tmp_paths:
         os.replace(tmp_path, path)

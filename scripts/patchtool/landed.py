@@ -132,6 +132,10 @@ def landed_states(checkout: Path, patches: list[Patch]) -> list[PatchState]:
     The series is read as a whole: landed patches are peeled off from the end first (a later
     patch may rewrite lines an earlier one added), then the rest are judged in order, each
     applied in memory once it is found to apply, so that later patches see it."""
+    if not checkout.exists():
+        raise UserError(f"{checkout}: checkout does not exist")
+    if not checkout.is_dir():
+        raise UserError(f"{checkout}: checkout is not a directory")
     if not (checkout / "megatron" / "core").is_dir():
         raise UserError(f"{checkout}: not a checkout (no megatron/core in it)")
     files = _Files(checkout)

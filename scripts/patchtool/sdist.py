@@ -29,6 +29,8 @@ def cache_dir() -> Path:
 def fetch_sdist(base: Base, cache: Optional[Path] = None, python: str = sys.executable) -> Path:
     """The verified sdist of `base`, downloaded into the cache if needed."""
     cache = cache or cache_dir()
+    if cache.exists() and not cache.is_dir():
+        raise UserError(f"{cache}: the sdist cache is not a directory (MOE_RELEASE_CACHE?)")
     target = cache / base.sdist
     if target.exists():
         got = sha256_file(target)
@@ -38,9 +40,13 @@ def fetch_sdist(base: Base, cache: Optional[Path] = None, python: str = sys.exec
                 f"{base.sha256}, got {got} (delete the file to download it again)"
             )
         return target
-    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        download = tempfile.TemporaryDirectory(dir=cache, prefix=".download-")
+    except OSError as exc:
+        raise UserError(f"{cache}: cannot write the sdist cache: {exc.strerror or exc}") from None
     log(f"downloading megatron-core {base.version} sdist from PyPI")
-    with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
+    with download as tmp:
         cmd = [
             python, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
             "--no-build-isolation", "--quiet", "--dest", tmp, f"megatron-core=={base.version}",

@@ -133,22 +133,58 @@ def load_tree(
     return build_tree(base, base_files, patches, overlay_files(root), compile_check=compile_check)
 
 
+def check_target_dir(dest: Path) -> Path:
+    """The absolute path of an output directory a user named, refused (UserError naming it)
+    unless it can be written as a whole: absent or an empty directory, inside an existing,
+    writable directory. Nothing is created here; parents are not made up."""
+    dest = dest.absolute()
+    if dest.is_symlink() or dest.exists():
+        if not dest.is_dir():
+            raise UserError(f"{dest}: target exists and is not a directory")
+        if any(dest.iterdir()):
+            raise UserError(f"{dest}: target exists and is not empty")
+    parent = dest.parent
+    if not parent.exists():
+        raise UserError(f"{parent}: the target's parent directory does not exist (create it first)")
+    if not parent.is_dir():
+        raise UserError(f"{parent}: the target's parent is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{parent}: the target's parent directory is not writable")
+    return dest
+
+
+def os_error(exc: OSError, what: str) -> UserError:
+    """A UserError naming the path an OSError is about (or ``what``) and why, on one line."""
+    path = exc.filename if exc.filename is not None else what
+    return UserError(f"{path}: {exc.strerror or exc}")
+
+
 @contextlib.contextmanager
-def atomic_directory(dest: Path) -> Iterator[Path]:
+def atomic_directory(dest: Path, make_parents: bool = True) -> Iterator[Path]:
     """A fresh temp dir beside dest, renamed to dest when the block succeeds, removed if not.
 
-    dest must be absent or an empty directory; nothing is left half-written either way.
+    dest must be absent or an empty directory; nothing is left half-written either way. With
+    ``make_parents`` false, a missing parent is refused instead of created (what a user names).
+    An OS error (read-only file system, no space, ...) is a UserError naming the path.
     """
     dest = dest.absolute()
+    if not make_parents:
+        check_target_dir(dest)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise UserError(f"{dest}: target exists and is not empty")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
     try:
-        yield tmp
-        if dest.exists():
-            dest.rmdir()
-        os.rename(tmp, dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
+    except OSError as exc:
+        raise UserError(f"{dest}: cannot create the target: {exc.strerror or exc}") from None
+    try:
+        try:
+            yield tmp
+            if dest.exists():
+                dest.rmdir()
+            os.rename(tmp, dest)
+        except OSError as exc:
+            raise os_error(exc, str(dest)) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -162,21 +198,20 @@ def write_files(root: Path, files: dict[str, bytes]) -> None:
         path.write_bytes(data)
 
 
-def write_tree_atomic(files: dict[str, bytes], dest: Path) -> None:
+def write_tree_atomic(files: dict[str, bytes], dest: Path, make_parents: bool = True) -> None:
     """Write files under a fresh temp dir beside dest, then rename it into place."""
-    with atomic_directory(dest) as tmp:
+    with atomic_directory(dest, make_parents) as tmp:
         write_files(tmp, files)
 
 
 def materialize(
     dest: Path, version: Optional[str] = None, series: bool = True, root: Path = REPO_ROOT
 ) -> Tree:
-    """Write a complete patched megatron-core tree to dest (which must be absent or empty)."""
-    dest = dest.absolute()
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise UserError(f"{dest}: target exists and is not empty")
+    """Write a complete patched megatron-core tree to dest (absent or empty, in an existing
+    directory)."""
+    dest = check_target_dir(dest)
     tree = load_tree(version, series=series, root=root)
-    write_tree_atomic(tree.files, dest)
+    write_tree_atomic(tree.files, dest, make_parents=False)
     return tree
 
 

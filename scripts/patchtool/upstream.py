@@ -24,6 +24,7 @@ from .common import REPO_ROOT, UserError
 from .patches import Patch, parse_patch
 from .pins import load_pins
 from .repo import read_series, read_series_dir
+from .trees import check_target_dir, os_error
 
 # Targets whose code the primary series (over the 0.19.2 sdist) applies to as it is.
 PRIMARY_TARGETS = ("core_r0.19.0",)
@@ -161,16 +162,16 @@ def export_upstream(
     """Write one topic of ``target``'s series (:func:`target_series`) as ``git am``-able mboxes
     into ``outdir`` (absent or empty); returns their paths."""
     series = target_series(target, root)
-    if outdir.exists() and (not outdir.is_dir() or any(outdir.iterdir())):
-        raise UserError(f"{outdir}: target exists and is not empty")
+    outdir = check_target_dir(outdir)
     series = topic_series(series, topic)
     name, email = ident
     last_date = parse_patch(series[-1][1], series[-1][0]).date if series else ""
     tests = _tests_patch(last_date) if topic == "memory" else None
     total = len(series) + (1 if tests else 0)
-    staged = Path(
-        tempfile.mkdtemp(prefix=".upstream-", dir=outdir.parent if outdir.parent.exists() else None)
-    )
+    try:
+        staged = Path(tempfile.mkdtemp(prefix=f".{outdir.name}.tmp-", dir=outdir.parent))
+    except OSError as exc:
+        raise UserError(f"{outdir}: cannot create the target: {exc.strerror or exc}") from None
     paths = []
     try:
         for n, (fname, data) in enumerate(series, 1):
@@ -201,10 +202,21 @@ def export_upstream(
         if outdir.exists():
             outdir.rmdir()
         staged.rename(outdir)
+    except OSError as exc:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise os_error(exc, str(outdir)) from None
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
     return [outdir / p for p in paths]
+
+
+def check_checkout_dir(checkout: Path) -> None:
+    """Refuse (UserError naming it) a CHECKOUT argument that is not an existing directory."""
+    if not checkout.exists():
+        raise UserError(f"{checkout}: checkout does not exist")
+    if not checkout.is_dir():
+        raise UserError(f"{checkout}: checkout is not a directory")
 
 
 def check_export(
@@ -215,6 +227,7 @@ def check_export(
     UserError naming the patch that does not apply."""
     if not patches:
         raise UserError("nothing to check: the export is empty")
+    check_checkout_dir(checkout)
     env = {
         "GIT_AUTHOR_NAME": ident[0], "GIT_AUTHOR_EMAIL": ident[1],
         "GIT_COMMITTER_NAME": ident[0], "GIT_COMMITTER_EMAIL": ident[1],
