@@ -140,7 +140,27 @@ def summarize(res: Dict[str, Any]) -> Dict[str, Any]:
         "per_call_bytes": res.get("per_call_bytes"),
         "losses": res["losses"],
         "grad_norms": res["grad_norms"],
+        # "kind @ file:line" -> count (JSON keys); the placement rules count them on CPU.
+        "syncs": {
+            f"{kind} @ {site}": n for (kind, site), n in sorted(res.get("syncs", {}).items())
+        },
     }
+
+
+def _sync_counter(summary: Dict[str, Any]):
+    from cpu_runtime.placement import sync_counts
+
+    return sync_counts({tuple(k.split(" @ ", 1)): n for k, n in summary["syncs"].items()})
+
+
+def sync_lines(base: Dict[str, Any], patched: Dict[str, Any]) -> List[str]:
+    """One warm step's device-to-host syncs by kind and file, base vs patched."""
+    b, p = _sync_counter(base), _sync_counter(patched)
+    lines = [f"{'host syncs in a warm step (kind @ file)':50}{'base':>8}{'patched':>8}"]
+    for kind, where in sorted(set(b) | set(p)):
+        label = f"  {kind} @ {where}"
+        lines.append(f"{label:50}{b[(kind, where)]:>8}{p[(kind, where)]:>8}")
+    return lines
 
 
 def timing(
@@ -245,6 +265,8 @@ def table(report: Dict[str, Any]) -> str:
         for i, (x, y) in enumerate(zip(b["dispatcher_held_bytes"], p["dispatcher_held_bytes"])):
             lines.append(f"{'dispatcher-held, MoE layer ' + str(i):34}{x:>16,}{y:>16,}{'':>14}")
         lines += buffer_section.comm_buffer_lines(b.get("comm_buffers"), p.get("comm_buffers"))
+        if b.get("syncs") is not None and p.get("syncs") is not None:
+            lines += sync_lines(b, p)
         lines += buffer_section.hybridep_accounting_lines(cfg, p, WORLD)
     t = report["timing"]
     lines += [
@@ -307,6 +329,11 @@ def targets(report: Dict[str, Any]) -> Dict[str, str]:
             f"{wdrop:,} B vs other layers' retained state {others:,} B: "
             + ("met" if wdrop >= others else "NOT met")
         )
+        if b.get("syncs") is not None and p.get("syncs") is not None:
+            added = sum((_sync_counter(p) - _sync_counter(b)).values())
+            out[f"rank {rank} host syncs added by the series"] = f"{added} (target 0): " + (
+                "met" if added == 0 else "NOT met"
+            )
     if report.get("overlap"):
         out.update(overlap_section.targets(report["overlap"]))
     t = report["timing"]

@@ -270,8 +270,10 @@ class DispatchSizes:
         return dict(self.max)
 
 
-def _run_steps(cfg, model, opt, clock, mark, losses, norms, times, releases) -> None:
+def _run_steps(cfg, model, opt, clock, mark, losses, norms, times, releases, syncs) -> None:
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    from cpu_runtime import placement
 
     last = cfg["steps"] - 1
     timer = ReleaseTimer(model)
@@ -280,6 +282,8 @@ def _run_steps(cfg, model, opt, clock, mark, losses, norms, times, releases) -> 
         dist.barrier()
         if clock and cfg.get("timeline") and step == last:
             clock.record()
+        if step == last:
+            placement.SYNCS.clear()  # the last step's host syncs (CPU runs: placement rules)
         mark(f"step{step}:start")
         _sync()
         t0 = time.perf_counter()
@@ -295,6 +299,8 @@ def _run_steps(cfg, model, opt, clock, mark, losses, norms, times, releases) -> 
         _sync()
         times.append(time.perf_counter() - t0)
         releases.append(timer.take())
+        if step == last:
+            syncs.update(placement.SYNCS)
         mark(f"step{step}:end")
         if clock and cfg.get("timeline") and step == last:
             clock.timeline_result = clock.timeline()
@@ -325,9 +331,10 @@ def train(cfg: Dict[str, Any]) -> Dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     mark("built")
     releases: List[Optional[float]] = []
+    syncs: Dict[Tuple[str, str], int] = {}
     sizes = DispatchSizes() if cfg["measure"] else None
     try:
-        _run_steps(cfg, model, opt, clock, mark, losses, norms, times, releases)
+        _run_steps(cfg, model, opt, clock, mark, losses, norms, times, releases, syncs)
     finally:
         if sizes is not None:
             out["per_call_bytes"] = sizes.close()
@@ -355,6 +362,7 @@ def train(cfg: Dict[str, Any]) -> Dict[str, Any]:
         out["grads"] = {n: p.grad.detach().cpu().clone() for n, p in named if p.grad is not None}
         out["params"] = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     out.update(losses=losses, grad_norms=norms, step_times=times, release_times=releases)
+    out["syncs"] = syncs
     return out
 
 
