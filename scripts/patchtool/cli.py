@@ -13,6 +13,7 @@ Verbs:
   label        print the overlay version label of a base's series
   landed       which patches of a series a (newer) checkout already contains
   upstream     export the series for NVIDIA/Megatron-LM (git am-able, DCO-signed)
+  port         carry the primary series onto the backport and upstream variant series (3-way)
 
 The logic is pure functions over bytes (parse_series, parse_patch, apply_file_patch, ...); the
 verbs are thin I/O around them so tests call both.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -33,6 +35,7 @@ from .git import create_edit_repo, export_series
 from .landed import landed_states
 from .patches import overlay_label, parse_patch
 from .pins import load_pins
+from .port import all_target_names, port_all, report_lines
 from .repo import overlay_files, read_series
 from .sdist import fetch_sdist, read_sdist
 from .trees import MANIFEST_PATH, check_target_dir, ensure_trees, load_tree, materialize
@@ -179,6 +182,33 @@ def _cmd_upstream(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_port(args: argparse.Namespace) -> int:
+    if args.all == bool(args.target):
+        raise UserError("name the targets: --target TARGET (repeatable) or --all")
+    names = all_target_names() if args.all else args.target
+    mirror = Path(args.mirror) if args.mirror else None
+    results = port_all(names, mirror, args.patch, args.record, write=not args.dry_run)
+    failed = False
+    for result, written in results:
+        for line in report_lines(result):
+            print(line)
+        if not result.ok:
+            failed = True
+            print("  CONFLICT: nothing written for this target; resolve it in the target's series "
+                  "(edit --base / export), then record it: port --record --target "
+                  f"{result.target.name} --patch NAME")  # fmt: skip
+        elif written is None:
+            print("  (dry run: nothing written)")
+        elif not written[0] and not written[1]:
+            print("  unchanged")
+        else:
+            for name in written[0]:
+                print(f"  written: {name}")
+            for name in written[1]:
+                print(f"  deleted: {name}")
+    return 1 if failed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     parser = argparse.ArgumentParser(prog="moe_release.py", description=__doc__.split("\n\n")[0])
@@ -238,6 +268,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topic", default="memory", choices=("memory", "cpu-import"),
                    help="which PR: the memory release (default) or the CPU-import fix")  # fmt: skip
     p.set_defaults(func=_cmd_upstream)
+    p = sub.add_parser(
+        "port",
+        help="carry the primary series onto the backport and upstream variant series (3-way)",
+        description="merge each primary patch (or only --patch NAME) onto each target's series "
+        "(backports: core_r0.18.0, core_r0.17.0, core_r0.16.0; upstream variants: main, dev), "
+        "replaying the resolutions stored in the target's resolutions/, and write the ported "
+        "series; reports per target and patch: applied, landed, not carried or conflict "
+        "(file, hunk, both sides). Exit status 1 if a target conflicts (it is not written).",
+    )
+    p.add_argument(
+        "--target",
+        action="append",
+        metavar="TARGET",
+        help="a target (repeatable): a backport branch or base version, main, dev",
+    )
+    p.add_argument("--all", action="store_true", help="every target (main and dev need --mirror)")
+    p.add_argument("--patch", metavar="NAME", help="port only this primary patch (file name)")
+    p.add_argument(
+        "--mirror",
+        metavar="CHECKOUT",
+        default=os.environ.get("MOE_RELEASE_MEGATRON_LM"),
+        help="a Megatron-LM clone or mirror holding the main/dev variants' commits "
+        "(default: $MOE_RELEASE_MEGATRON_LM)",
+    )
+    p.add_argument(
+        "--record",
+        action="store_true",
+        help="take each target's series as it is now as resolved: store, per patch, "
+        "its difference from the 3-way merge in the target's resolutions/",
+    )
+    p.add_argument("--dry-run", action="store_true", help="report only, write nothing")
+    p.set_defaults(func=_cmd_port)  # fmt: skip
     return parser
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping, Optional
 
 from .common import UserError
 from .patches import Hunk, Patch
@@ -86,12 +87,18 @@ def _sides(hunk: Hunk) -> tuple[list[bytes], list[bytes]]:
 class _Files:
     """The checkout's files as line lists, edited in memory (never written)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, files: Optional[Mapping[str, Optional[bytes]]] = None):
         self.root = root
-        self.lines: dict[str, list[bytes] | None] = {}
+        self.lines: dict[str, list[bytes] | None] = {
+            rel: None if data is None else data.splitlines(keepends=True)
+            for rel, data in (files or {}).items()
+        }
+        self.in_memory = files is not None
 
     def get(self, rel: str) -> list[bytes] | None:
         if rel not in self.lines:
+            if self.in_memory:
+                return None
             path = self.root / rel
             self.lines[rel] = path.read_bytes().splitlines(keepends=True) if path.exists() else None
         return self.lines[rel]
@@ -154,3 +161,9 @@ def landed_states(checkout: Path, patches: list[Patch]) -> list[PatchState]:
             files.move(patch, forward=True)
         out.append(state)
     return out
+
+
+def files_state(files: Mapping[str, Optional[bytes]], patch: Patch) -> PatchState:
+    """The state of one patch in in-memory files (path -> bytes, None: absent; a path not
+    given is absent), judged as :func:`landed_states` judges a checkout's."""
+    return _Files(Path(), files).state(patch)

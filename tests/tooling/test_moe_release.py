@@ -425,8 +425,10 @@ def cli(*args: str, cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(
-    "verb", ["fetch", "materialize", "edit", "export", "check", "verify", "trees", "label"]
-)
+    "verb",
+    ["fetch", "materialize", "edit", "export", "check", "verify", "trees", "label", "landed",
+     "upstream", "port"],
+)  # fmt: skip
 def test_every_verb_has_help(verb):
     result = cli(verb, "--help")
     assert result.returncode == 0 and "usage: moe_release.py " + verb in result.stdout
@@ -496,42 +498,56 @@ def read_only_dir(tmp_path) -> Path:
 # (argv, what the message names); {t} is the test's scratch directory holding `file` (a plain
 # file), `empty` (an empty directory) and `fake-python` (an executable that is no Python), {ro}
 # a read-only directory.
+NO_PARENT = "the target's parent directory does not exist"
+UNKNOWN_BASE = "unknown base version '9.9'"
 BAD_INPUTS = [
-    (["materialize", "{t}/missing/out"], "{t}/missing: the target's parent directory does not exist"),
+    (["materialize", "{t}/missing/out"], "{t}/missing: " + NO_PARENT),
     (["materialize", "{t}/file"], "{t}/file: target exists and is not a directory"),
     (["materialize", "{t}/file/out"], "{t}/file: the target's parent is not a directory"),
     (["materialize", "{ro}/out"], "{ro}/out"),
-    (["materialize", "--base", "9.9", "{t}/out"], "unknown base version '9.9'"),
-    (["edit", "{t}/missing/out"], "{t}/missing: the target's parent directory does not exist"),
+    (["materialize", "--base", "9.9", "{t}/out"], UNKNOWN_BASE),
+    (["edit", "{t}/missing/out"], "{t}/missing: " + NO_PARENT),
     (["edit", "{t}/file"], "{t}/file: target exists and is not a directory"),
     (["edit", "{ro}/out"], "{ro}/out"),
-    (["edit", "--base", "9.9", "{t}/out"], "unknown base version '9.9'"),
+    (["edit", "--base", "9.9", "{t}/out"], UNKNOWN_BASE),
     (["export", "{t}/missing"], "{t}/missing: does not exist"),
     (["export", "{t}/file"], "{t}/file: is not a directory"),
     (["export", "{t}/empty"], "{t}/empty: not an edit repo"),
-    (["check", "--base", "9.9"], "unknown base version '9.9'"),
-    (["verify", "--python", "/nonexistent/python"], "/nonexistent/python: interpreter does not exist"),
-    (["verify", "--python", "{t}/missing/python"], "{t}/missing/python: interpreter does not exist"),
+    (["check", "--base", "9.9"], UNKNOWN_BASE),
+    (["verify", "--python", "/nonexistent/python"],
+      "/nonexistent/python: interpreter does not exist"),
+    (["verify", "--python", "{t}/missing/python"],
+      "{t}/missing/python: interpreter does not exist"),
     (["verify", "--python", "{t}/empty"], "{t}/empty: is a directory, not an interpreter"),
     (["verify", "--python", "{t}/file"], "{t}/file: is not executable"),
     (["verify", "--python", "{t}/fake-python"], "{t}/fake-python: does not answer as a Python"),
-    (["verify", "--python", "no-such-python-3.99"], "no-such-python-3.99: no such interpreter on PATH"),
-    (["verify", "--base", "9.9"], "unknown base version '9.9'"),
-    (["trees", "--base", "9.9"], "unknown base version '9.9'"),
-    (["label", "--base", "9.9"], "unknown base version '9.9'"),
-    (["fetch", "--base", "9.9"], "unknown base version '9.9'"),
+    (["verify", "--python", "no-such-python-3.99"],
+      "no-such-python-3.99: no such interpreter on PATH"),
+    (["verify", "--base", "9.9"], UNKNOWN_BASE),
+    (["trees", "--base", "9.9"], UNKNOWN_BASE),
+    (["label", "--base", "9.9"], UNKNOWN_BASE),
+    (["fetch", "--base", "9.9"], UNKNOWN_BASE),
     (["landed", "{t}/missing"], "{t}/missing: checkout does not exist"),
     (["landed", "{t}/file"], "{t}/file: checkout is not a directory"),
     (["landed", "{t}/empty"], "{t}/empty: not a checkout (no megatron/core in it)"),
-    (["landed", "--base", "9.9", "{t}/empty"], "unknown base version '9.9'"),
+    (["landed", "--base", "9.9", "{t}/empty"], UNKNOWN_BASE),
     (["landed", "--target", "nope", "{t}/empty"], "unknown target 'nope'"),
-    (["upstream", "main", "/missing/parent/out"], "/missing/parent: the target's parent directory does not exist"),
-    (["upstream", "main", "{t}/missing/out"], "{t}/missing: the target's parent directory does not exist"),
+    (["upstream", "main", "/missing/parent/out"], "/missing/parent: " + NO_PARENT),
+    (["upstream", "main", "{t}/missing/out"], "{t}/missing: " + NO_PARENT),
     (["upstream", "main", "{t}/file"], "{t}/file: target exists and is not a directory"),
     (["upstream", "main", "{t}/file/out"], "{t}/file: the target's parent is not a directory"),
     (["upstream", "main", "{ro}/out"], "{ro}/out"),
-    (["upstream", "main", "{t}/out", "--check", "{t}/missing"], "{t}/missing: checkout does not exist"),
+    (["upstream", "main", "{t}/out", "--check", "{t}/missing"],
+      "{t}/missing: checkout does not exist"),
     (["upstream", "nope", "{t}/out"], "unknown target 'nope'"),
+    (["port"], "name the targets: --target TARGET (repeatable) or --all"),
+    (["port", "--target", "nope"], "unknown port target 'nope'"),
+    (["port", "--target", "main", "--mirror", "{t}/missing"],
+      "{t}/missing: Megatron-LM checkout does not exist"),
+    (["port", "--target", "main", "--mirror", "{t}/file"],
+      "{t}/file: Megatron-LM checkout is not a directory"),
+    (["port", "--target", "0.18.2", "--patch", "nope.patch"],
+      "--patch nope.patch: not in patches/series"),
 ]  # fmt: skip
 
 

@@ -1,0 +1,787 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""`port`: carry the primary series onto another base's series with a 3-way merge.
+
+A target is a series over another base: a backport series (``patches/backports/<branch>/``,
+over the sdist pinned for that branch) or an upstream variant (``patches/upstream/<name>/``,
+over the Megatron-LM commit its ``series`` header names, read from a checkout or mirror).
+Each primary patch is merged onto the target's tree with the target's already-ported
+predecessors, file by file, as ``git apply --3way`` merges: base = the primary tree before the
+patch, theirs = after it, ours = the target's tree (``git merge-file``). Per patch the result is
+
+- ``applied``: the merge is clean and nothing is stored for it;
+- ``applied, resolution replayed``: what a person changed on top of the merge (conflict markers
+  resolved, a part not carried, an adaptation) is stored in the target's
+  ``resolutions/<primary patch>.diff`` and replayed;
+- ``landed``: the change is already in the target's tree (landed.py's hunk test), dropped;
+- ``not carried``: ``resolutions/<primary patch>.skip`` says the target does not take it;
+- ``conflict``: the merge left conflicts no stored resolution accounts for (file, hunk and
+  both sides reported); nothing is written for that target.
+
+The ported series is written with the export machinery (format-patch flags of git.py): a
+patch the target already carries keeps its message, author and date (backports: ``cp:
+`fix(moe): …` into `<branch>``` with a ``Backport-Of:`` trailer); a new one gets the target's
+conventions. ``--record`` takes the target's series as it is now as the resolved result and
+stores, per patch, the difference between the mechanical merge and it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import tempfile
+import textwrap
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from .common import REPO_ROOT, UserError, log
+from .git import GIT_AM_FLAGS, format_patches, git, git_env
+from .landed import files_state
+from .patches import FilePatch, Patch, apply_file_patch, parse_patch, parse_series, series_header
+from .pins import load_pins
+from .repo import read_series, read_series_dir
+from .sdist import fetch_sdist, read_sdist
+from .trees import os_error
+from .upstream import upstream_subject
+
+Files = dict[str, Optional[bytes]]
+
+OURS, THEIRS = "target", "primary"
+MARK_OURS, MARK_SEP, MARK_THEIRS = (
+    b"<<<<<<< " + OURS.encode(),
+    b"=======",
+    b">>>>>>> " + THEIRS.encode(),
+)
+RESOLUTIONS = "resolutions"
+VARIANT_NAMES = ("main", "dev")
+
+APPLIED, REPLAYED, LANDED, SKIPPED, CONFLICT, KEPT = (
+    "applied",
+    "applied, resolution replayed",
+    "landed",
+    "not carried",
+    "conflict",
+    "kept as it is",
+)
+
+
+# ----------------------------------------------------------------------------- targets
+
+
+@dataclasses.dataclass
+class Target:
+    """A series over another base that the primary series is ported to."""
+
+    name: str  # the branch (core_r0.18.0) or the variant (main, dev)
+    kind: str  # "backport" or "variant"
+    sdir: Path
+    what: str  # the base, in words
+    read: Callable[[Sequence[str]], Files]  # the base's files at these paths (None: absent)
+    branch: str = ""
+    version: str = ""
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.what})"
+
+
+def _mirror_reader(mirror: Path, commit: str) -> Callable[[Sequence[str]], Files]:
+    def read(paths: Sequence[str]) -> Files:
+        spec = "".join(f"{commit}:{p}\n" for p in paths).encode()
+        done = subprocess.run(
+            ["git", "-C", str(mirror), "cat-file", "--batch"],
+            input=spec, capture_output=True, env=git_env(),
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise UserError(f"{mirror}: git cat-file failed: {done.stderr.decode()[:200]}")
+        out: Files = {}
+        data, pos = done.stdout, 0
+        for path in paths:
+            end = data.index(b"\n", pos)
+            head = data[pos:end].split()
+            pos = end + 1
+            if head[-1] == b"missing":
+                out[path] = None
+                continue
+            size = int(head[2])
+            out[path] = data[pos : pos + size] if head[1] == b"blob" else None
+            pos += size + 1
+        return out
+
+    return read
+
+
+def resolve_commit(mirror: Path, commit: str, what: str) -> str:
+    """The full id of ``commit`` in the Megatron-LM repository ``mirror`` (bare or checkout)."""
+    if not mirror.exists():
+        raise UserError(f"{mirror}: Megatron-LM checkout does not exist")
+    if not mirror.is_dir():
+        raise UserError(f"{mirror}: Megatron-LM checkout is not a directory")
+    done = subprocess.run(
+        ["git", "-C", str(mirror), "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}"],
+        capture_output=True, env=git_env(),
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise UserError(f"{mirror}: has no commit {commit} ({what}); fetch it first")
+    return done.stdout.decode().strip()
+
+
+def all_target_names(root: Path = REPO_ROOT) -> list[str]:
+    """Every target: the backport branches (pins.toml order), then the upstream variants."""
+    pins = load_pins(root / "patches" / "pins.toml")
+    return [b.branch for v, b in pins.bases.items() if v != pins.primary] + list(VARIANT_NAMES)
+
+
+def get_target(name: str, mirror: Optional[Path], root: Path = REPO_ROOT) -> Target:
+    """The target called ``name``: a backport branch from pins.toml or an upstream variant."""
+    pins = load_pins(root / "patches" / "pins.toml")
+    for version, base in pins.bases.items():
+        if version != pins.primary and name in (base.branch, version):
+            return Target(
+                name=base.branch, kind="backport", sdir=base.series_dir(root),
+                what=f"megatron-core {version}",
+                read=lambda paths, b=base: _sdist_reader(b, paths),
+                branch=base.branch, version=version,
+            )  # fmt: skip
+    if name in VARIANT_NAMES:
+        sdir = root / "patches" / "upstream" / name
+        series = sdir / "series"
+        if not series.exists():
+            raise UserError(f"{series}: no variant series for upstream {name}")
+        match = re.search(r"against ([0-9a-f]{7,40})\b", series.read_text())
+        if not match:
+            raise UserError(f"{series}: its header names no commit ('written against <commit>')")
+        if mirror is None:
+            raise UserError(
+                f"upstream {name} is a Megatron-LM commit ({match.group(1)}): give --mirror "
+                "CHECKOUT (a Megatron-LM clone or mirror holding it)"
+            )
+        commit = resolve_commit(mirror, match.group(1), f"upstream {name}'s base")
+        return Target(
+            name=name, kind="variant", sdir=sdir, what=f"Megatron-LM {name} {commit[:12]}",
+            read=_mirror_reader(mirror, commit), branch=name,
+        )  # fmt: skip
+    known = ", ".join(all_target_names(root))
+    raise UserError(f"unknown port target {name!r} (one of {known})")
+
+
+_SDIST_CACHE: dict[str, dict[str, bytes]] = {}
+
+
+def _sdist_reader(base, paths: Sequence[str]) -> Files:
+    if base.version not in _SDIST_CACHE:
+        _SDIST_CACHE[base.version] = read_sdist(fetch_sdist(base))
+    files = _SDIST_CACHE[base.version]
+    return {p: files.get(p) for p in paths}
+
+
+# ----------------------------------------------------------------------------- merging
+
+
+@dataclasses.dataclass
+class Conflict:
+    """One conflict of a 3-way merge: where, and both sides."""
+
+    path: str
+    line: int  # in the merged file
+    hunk: str  # the primary patch's hunk header it belongs to ("" if none matches)
+    ours: list[bytes]
+    theirs: list[bytes]
+    absent: bool = False  # the file is absent on the target
+
+    def describe(self) -> str:
+        if self.absent:
+            return f"{self.path}: absent on the target ({self.hunk})"
+        return f"{self.path}:{self.line} ({self.hunk or 'no primary hunk'})"
+
+
+def merge_file(ours: bytes, base: bytes, theirs: bytes) -> tuple[bytes, int]:
+    """``git merge-file``: (merged bytes with conflict markers, number of conflicts)."""
+    with tempfile.TemporaryDirectory(prefix="moe-port-") as tmp:
+        paths = []
+        for name, data in (("ours", ours), ("base", base), ("theirs", theirs)):
+            path = Path(tmp) / name
+            path.write_bytes(data)
+            paths.append(str(path))
+        done = subprocess.run(
+            ["git", "merge-file", "-p", "-L", OURS, "-L", "base", "-L", THEIRS, *paths],
+            capture_output=True, env=git_env(),
+        )  # fmt: skip
+    if done.returncode < 0 or done.returncode > 127:
+        raise UserError(f"git merge-file failed: {done.stderr.decode()[:200]}")
+    return done.stdout, done.returncode
+
+
+def conflicts_in(path: str, data: bytes, patch: FilePatch) -> list[Conflict]:
+    """The conflict regions of a merged file, each with both sides."""
+    out: list[Conflict] = []
+    lines = data.splitlines(keepends=True)
+    i = 0
+    while i < len(lines):
+        if lines[i].rstrip(b"\n") == MARK_OURS:
+            start = i
+            j = i + 1
+            while j < len(lines) and lines[j].rstrip(b"\n") != MARK_SEP:
+                j += 1
+            k = j + 1
+            while k < len(lines) and lines[k].rstrip(b"\n") != MARK_THEIRS:
+                k += 1
+            ours, theirs = lines[start + 1 : j], lines[j + 1 : k]
+            out.append(Conflict(path, start + 1, _hunk_of(patch, theirs), ours, theirs))
+            i = k + 1
+        else:
+            i += 1
+    return out
+
+
+def _hunk_of(patch: FilePatch, theirs: list[bytes]) -> str:
+    added = set(theirs)
+    for hunk in patch.hunks:
+        if any(line[:1] == b"+" and line[1:] in added for line in hunk.lines):
+            return hunk.header
+    return ""
+
+
+def has_markers(data: Optional[bytes]) -> bool:
+    if not data:
+        return False
+    return any(
+        line.rstrip(b"\n") in (MARK_OURS, MARK_THEIRS) for line in data.splitlines(keepends=True)
+    )
+
+
+def merge_patch(
+    ours: Files, before: Files, after: Files, patch: Patch
+) -> tuple[Files, list[Conflict]]:
+    """Merge one primary patch (``before`` -> ``after``, the files it touches) onto ``ours``."""
+    merged: Files = {}
+    conflicts: list[Conflict] = []
+    for fp in patch.files:
+        path = fp.path
+        o, b, t = ours.get(path), before.get(path), after.get(path)
+        if o == t:
+            merged[path] = o
+        elif o is None and b is None:
+            merged[path] = t  # a new file
+        elif o is None:
+            merged[path] = None
+            hunks = ", ".join(h.header for h in fp.hunks) or "the whole file"
+            conflicts.append(Conflict(path, 0, hunks, [], [], absent=True))
+        elif t is None:
+            if o == b:
+                merged[path] = None
+            else:
+                merged[path] = o
+                conflicts.append(Conflict(path, 0, "deleted by the primary", [], [], absent=True))
+        else:
+            data, n = merge_file(o, b or b"", t)
+            merged[path] = data
+            if n:
+                conflicts.extend(conflicts_in(path, data, fp))
+    return merged, conflicts
+
+
+# ----------------------------------------------------------------------------- resolutions
+
+
+@dataclasses.dataclass
+class Resolution:
+    """What a person did on top of the mechanical merge of one patch onto one target."""
+
+    diff: bytes  # a diff (git diff format) from the merge to the resolved files
+    absent: list[str]  # files absent on the target whose primary hunks it accounts for
+
+    def to_bytes(self, patch: str, target: str) -> bytes:
+        head = (
+            f"# Resolution of {patch} on {target}, replayed by `moe_release.py port`:\n"
+            f"# the change from the 3-way merge of the primary patch onto the target (conflict\n"
+            f"# markers '<<<<<<< {OURS}' / '>>>>>>> {THEIRS}') to what the target carries.\n"
+            "# Recorded by `port --record`: edit the target's series, then record it again.\n"
+        )
+        head += "".join(f"# absent: {p}\n" for p in self.absent)
+        return head.encode() + self.diff
+
+    @classmethod
+    def parse(cls, data: bytes) -> Resolution:
+        absent, pos = [], 0
+        for line in data.splitlines(keepends=True):
+            if not line.startswith(b"#"):
+                break
+            match = re.match(rb"# absent: (\S+)$", line.rstrip(b"\n"))
+            if match:
+                absent.append(match.group(1).decode())
+            pos += len(line)
+        return cls(data[pos:], absent)
+
+
+def file_diff(path: str, old: Optional[bytes], new: Optional[bytes]) -> bytes:
+    """A ``git diff`` of one file (``a/path`` -> ``b/path``), no index line."""
+    with tempfile.TemporaryDirectory(prefix="moe-port-") as tmp:
+        a, b = Path(tmp) / "a", Path(tmp) / "b"
+        a.write_bytes(old or b"")
+        b.write_bytes(new or b"")
+        done = subprocess.run(
+            ["git", "diff", "--no-index", "--no-color", "--no-renames", "-U3",
+             "--diff-algorithm=myers", str(a if old is not None else os.devnull),
+             str(b if new is not None else os.devnull)],
+            capture_output=True, env=git_env(),
+        )  # fmt: skip
+    if done.returncode not in (0, 1):
+        raise UserError(f"git diff failed: {done.stderr.decode()[:200]}")
+    body = done.stdout
+    if not body:
+        return b""
+    body = body[body.index(b"\n@@ ") + 1 :]
+    head = f"diff --git a/{path} b/{path}\n"
+    if old is None:
+        head += f"new file mode 100644\n--- /dev/null\n+++ b/{path}\n"
+    elif new is None:
+        head += f"deleted file mode 100644\n--- a/{path}\n+++ /dev/null\n"
+    else:
+        head += f"--- a/{path}\n+++ b/{path}\n"
+    return head.encode() + body
+
+
+def parse_diff(data: bytes, name: str) -> list[FilePatch]:
+    """The file patches of a plain diff (patches.parse_patch reads mboxes)."""
+    if not data.strip():
+        return []
+    fake = b"From 0 Mon Sep 17 00:00:00 2001\nFrom: x\nDate: x\nSubject: x\n\n" + data
+    return parse_patch(fake, name).files
+
+
+def apply_with_offset(old: Optional[bytes], fp: FilePatch, name: str) -> Optional[bytes]:
+    """Apply one file's hunks exactly (no fuzz), each where its old side is found nearest to
+    its line number (as ``git apply`` does); raises UserError naming the hunk."""
+    if fp.new_file or fp.deleted:
+        return apply_file_patch(old, fp, name)
+    if old is None:
+        raise UserError(f"{name}: modifies {fp.path}, which the merge does not have")
+    src = old.splitlines(keepends=True)
+    out: list[bytes] = []
+    pos, drift = 0, 0
+    for number, hunk in enumerate(fp.hunks, 1):
+        want = [line[1:] for line in hunk.lines if line[:1] in (b" ", b"-")]
+        new = [line[1:] for line in hunk.lines if line[:1] in (b" ", b"+")]
+        guess = (hunk.old_start - 1 if hunk.old_len else hunk.old_start) + drift
+        found = None
+        for delta in range(0, len(src) + 1):
+            for at in (guess - delta, guess + delta) if delta else (guess,):
+                if pos <= at <= len(src) - len(want) and src[at : at + len(want)] == want:
+                    found = at
+                    break
+            if found is not None:
+                break
+        if found is None:
+            raise UserError(
+                f"{name}: hunk #{number} ({hunk.header}) of {fp.path} no longer applies"
+            )
+        drift = found - (hunk.old_start - 1 if hunk.old_len else hunk.old_start)
+        out.extend(src[pos:found])
+        out.extend(new)
+        pos = found + len(want)
+    out.extend(src[pos:])
+    return b"".join(out)
+
+
+# ----------------------------------------------------------------------------- the port
+
+
+@dataclasses.dataclass
+class Step:
+    """What happened to one primary patch on one target."""
+
+    patch: str
+    verdict: str
+    conflicts: list[Conflict] = dataclasses.field(default_factory=list)
+    note: str = ""
+
+
+@dataclasses.dataclass
+class PortResult:
+    target: Target
+    steps: list[Step]
+    patches: list[tuple[str, bytes]]  # the ported series (file name, mbox)
+    resolutions: dict[str, Optional[bytes]]  # file name under resolutions/ -> bytes (None: delete)
+    ok: bool
+
+
+def _primary_states(root: Path) -> tuple[list[tuple[str, Patch, Files, Files]], str]:
+    """Per primary patch: (name, patch, its files before, after) and the primary version."""
+    pins = load_pins(root / "patches" / "pins.toml")
+    base = pins.get(None)
+    series = read_series(base, root)
+    files: Files = dict(read_sdist(fetch_sdist(base)))
+    out = []
+    for name, data in series:
+        patch = parse_patch(data, name)
+        before = {fp.path: files.get(fp.path) for fp in patch.files}
+        for fp in patch.files:
+            files[fp.path] = apply_file_patch(files.get(fp.path), fp, name)
+        out.append((name, patch, before, {fp.path: files.get(fp.path) for fp in patch.files}))
+    return out, base.version
+
+
+def _counterpart(patch: Patch, target: Target, primary_names: list[str]) -> str:
+    """The primary patch a target's patch comes from."""
+    if target.kind == "backport":
+        origin = patch.trailers.get("Backport-Of", [])
+        if not origin:
+            raise UserError(f"{target.sdir / patch.name}: lacks a Backport-Of: trailer")
+        name = origin[0].strip()
+    else:
+        name = patch.name
+    if name not in primary_names:
+        raise UserError(f"{target.sdir / patch.name}: comes from {name}, not in patches/series")
+    return name
+
+
+def backport_message(patch: Patch, name: str, target: Target, primary_version: str) -> str:
+    """A new backport's message, in the backport series' conventions."""
+    subject = f"cp: `{upstream_subject(patch.subject)}` into `{target.branch}`"
+    intro = textwrap.fill(
+        f'Backport of "{patch.subject}" (primary series over megatron-core {primary_version}, '
+        f"patches/{name}) to {target.branch} ({target.what}).",
+        width=72, break_on_hyphens=False,
+    )  # fmt: skip
+    lines = patch.message.rstrip("\n").split("\n")
+    trailers = []
+    while lines and re.match(r"^[A-Za-z-]+: ", lines[-1]):
+        trailers.insert(0, lines.pop())
+    while lines and not lines[-1].strip():
+        lines.pop()
+    sign = [t for t in trailers if t.startswith("Signed-off-by: ")]
+    rest = [t for t in trailers if not t.startswith("Signed-off-by: ")]
+    tail = sign + [f"Backport-Of: {name}"] + rest
+    return f"{subject}\n\n{intro}\n\n" + "\n".join(lines) + "\n\n" + "\n".join(tail) + "\n"
+
+
+class _Repo:
+    """A scratch git repository: the target base's touched files, the target's existing
+    commits (for their messages) and the ported commits."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        git(path, "init", "--quiet", "--initial-branch=main")
+        git(path, "config", "core.autocrlf", "false")
+        self.index = path / ".git" / "port-index"
+
+    def commit(self, files: Files, parent: Optional[str], header: Optional[bytes], msg: str,
+               author: tuple[str, str, str]) -> str:  # fmt: skip
+        env = git_env({"GIT_INDEX_FILE": str(self.index)})
+        git(self.path, "read-tree", "--empty", env=env)
+        entries = []
+        for path, data in sorted(files.items()):
+            if data is None:
+                continue
+            blob = git(self.path, "hash-object", "-w", "--stdin", input=data).decode().strip()
+            entries.append(f"100644 {blob}\t{path}\n")
+        git(self.path, "update-index", "--index-info", env=env, input="".join(entries).encode())
+        tree = git(self.path, "write-tree", env=env).decode().strip()
+        if header is not None:  # an existing commit, given another tree and parent
+            head, sep, message = header.partition(b"\n\n")
+            out = [f"tree {tree}".encode()] + ([f"parent {parent}".encode()] if parent else [])
+            out += [h for h in head.split(b"\n") if not h.startswith((b"tree ", b"parent "))]
+            raw = b"\n".join(out) + sep + message
+            return (
+                git(self.path, "hash-object", "-t", "commit", "-w", "--stdin", input=raw)
+                .decode().strip()
+            )  # fmt: skip
+        name, email, date = author
+        env = git_env(dict(GIT_AUTHOR_NAME=name, GIT_AUTHOR_EMAIL=email, GIT_AUTHOR_DATE=date,
+                           GIT_COMMITTER_DATE=date))  # fmt: skip
+        args = ["commit-tree", tree, "-F", "-"] + (["-p", parent] if parent else [])
+        return git(self.path, *args, env=env, input=msg.encode()).decode().strip()
+
+
+def _stem(patch_name: str) -> str:
+    """A patch's name without ``.patch``: its resolution is ``resolutions/<stem>.diff``."""
+    return patch_name[: -len(".patch")] if patch_name.endswith(".patch") else patch_name
+
+
+def _author(patch: Patch) -> tuple[str, str, str]:
+    match = re.match(r"^(.*?)\s*<([^>]*)>$", patch.author)
+    name, email = (match.group(1), match.group(2)) if match else (patch.author, "")
+    return name, email, patch.date
+
+
+def port_target(
+    target: Target,
+    only: Optional[str] = None,
+    record: bool = False,
+    root: Path = REPO_ROOT,
+    primary: Optional[tuple[list, str]] = None,
+) -> PortResult:
+    """Port the primary series (or only the patch ``only``) onto ``target``, in memory."""
+    states, primary_version = primary or _primary_states(root)
+    pnames = [s[0] for s in states]
+    if only is not None and only not in pnames:
+        raise UserError(f"--patch {only}: not in patches/series (one of {', '.join(pnames)})")
+    by_name = {s[0]: s for s in states}
+    existing: dict[str, tuple[str, bytes, Patch]] = {}
+    order: list[str] = []
+    if (target.sdir / "series").exists():
+        for fname, data in read_series_dir(target.sdir):
+            patch = parse_patch(data, fname)
+            origin = _counterpart(patch, target, pnames)
+            if origin in existing:
+                raise UserError(f"{target.sdir}: two patches come from {origin}")
+            existing[origin] = (fname, data, patch)
+            order.append(origin)
+    rdir = target.sdir / RESOLUTIONS
+    stored: dict[str, bytes] = {}
+    if rdir.is_dir():
+        for path in sorted(rdir.iterdir()):
+            stored[path.name] = path.read_bytes()
+    for k, name in enumerate(pnames):  # a patch the target does not carry yet goes after the
+        if name in order:  # target's patch from its nearest primary predecessor
+            continue
+        after = [order.index(p) for p in pnames[:k] if p in order]
+        order.insert(max(after) + 1 if after else 0, name)
+
+    paths = sorted(
+        {fp.path for s in states for fp in s[1].files}
+        | {fp.path for *_, p in existing.values() for fp in p.files}
+        | {
+            fp.path
+            for name, data in stored.items()
+            if name.endswith(".diff")
+            for fp in parse_diff(Resolution.parse(data).diff, f"{RESOLUTIONS}/{name}")
+        }
+    )
+    base_files = target.read(paths)
+    steps: list[Step] = []
+    new_resolutions: dict[str, Optional[bytes]] = {}
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="moe-port-") as tmp:
+        repo = _Repo(Path(tmp))
+        base_commit = repo.commit(
+            base_files, None, None, "base\n", ("base", "base@x", "2000-01-01T00:00:00+00:00")
+        )
+        git(repo.path, "tag", "base", base_commit)
+        # The target's existing commits, for their exact messages, authors and dates.
+        git(repo.path, "checkout", "--quiet", "-f", base_commit)
+        headers: dict[str, bytes] = {}
+        for origin in order:
+            if origin in existing:
+                fname, data, _ = existing[origin]
+                try:
+                    git(repo.path, *GIT_AM_FLAGS, input=data)
+                except UserError as exc:
+                    raise UserError(
+                        f"{target.sdir / fname}: does not apply to {target.what}: {exc}"
+                    ) from None
+                raw = git(repo.path, "cat-file", "commit", "HEAD")
+                headers[origin] = raw
+        ours: Files = dict(base_files)
+        parent = base_commit
+        for origin in order:
+            _, ppatch, before, after = by_name[origin]
+            have = existing.get(origin)
+            selected = only is None or origin == only
+            step = Step(origin, APPLIED)
+            steps.append(step)
+            if not selected:
+                if have is None:
+                    step.verdict, step.note = KEPT, "not carried yet; not selected"
+                    continue
+                try:
+                    for fp in have[2].files:
+                        ours[fp.path] = apply_file_patch(ours.get(fp.path), fp, have[0])
+                except UserError as exc:
+                    step.verdict, step.note = CONFLICT, f"kept as it is, but: {exc}"
+                    ok = False
+                    break
+                step.verdict = KEPT
+                parent = repo.commit(ours, parent, headers[origin], "", ("", "", ""))
+                continue
+            skip = stored.get(f"{_stem(origin)}.skip")
+            if skip is not None and not record:
+                step.verdict, step.note = SKIPPED, skip.decode().strip().splitlines()[0]
+                continue
+            merged, conflicts = merge_patch(ours, before, after, ppatch)
+            result: Files = dict(ours)
+            result.update(merged)
+            if record:
+                if have is None:
+                    reason = f"not carried on {target.name}: its series has no patch from it"
+                    new_resolutions[f"{_stem(origin)}.skip"] = (reason + "\n").encode()
+                    new_resolutions[f"{_stem(origin)}.diff"] = None
+                    step.verdict, step.note = SKIPPED, "recorded"
+                    continue
+                resolved: Files = dict(ours)
+                for fp in have[2].files:
+                    resolved[fp.path] = apply_file_patch(resolved.get(fp.path), fp, have[0])
+                changed = sorted(
+                    p for p in set(result) | set(resolved) if result.get(p) != resolved.get(p)
+                )
+                diff = b"".join(file_diff(p, result.get(p), resolved.get(p)) for p in changed)
+                absent = sorted({c.path for c in conflicts if c.absent})
+                new_resolutions[f"{_stem(origin)}.skip"] = None
+                if diff or absent:
+                    res = Resolution(diff, absent)
+                    new_resolutions[f"{_stem(origin)}.diff"] = res.to_bytes(origin, target.name)
+                    step.verdict = (
+                        "applied, resolution recorded"
+                        if not conflicts
+                        else f"{CONFLICT}, resolution recorded"
+                    )
+                else:
+                    new_resolutions[f"{_stem(origin)}.diff"] = None
+                step.conflicts = conflicts
+                result = resolved
+            else:
+                stored_res = stored.get(f"{_stem(origin)}.diff")
+                if stored_res is None and have is None and not conflicts:
+                    state = files_state({p: ours.get(p) for p in before}, ppatch)
+                    if state.verdict == "landed":
+                        step.verdict = LANDED
+                        continue
+                if stored_res is not None:
+                    res = Resolution.parse(stored_res)
+                    try:
+                        for fp in parse_diff(res.diff, f"{RESOLUTIONS}/{_stem(origin)}.diff"):
+                            result[fp.path] = apply_with_offset(
+                                result.get(fp.path), fp, f"{RESOLUTIONS}/{_stem(origin)}.diff"
+                            )
+                    except UserError as exc:
+                        step.verdict, step.note, step.conflicts = CONFLICT, str(exc), conflicts
+                        ok = False
+                        break
+                    unresolved = [c for c in conflicts if c.absent and c.path not in res.absent]
+                    unresolved += [
+                        c for c in conflicts if not c.absent and has_markers(result.get(c.path))
+                    ]
+                    step.verdict = f"{CONFLICT}, resolution replayed" if conflicts else REPLAYED
+                    if conflicts:
+                        step.note = f"{len(conflicts)} conflict(s): " + "; ".join(
+                            c.describe().split(" (")[0] for c in conflicts
+                        )
+                    if unresolved:
+                        step.verdict, step.conflicts = CONFLICT, unresolved
+                        step.note = "the stored resolution does not resolve these"
+                        ok = False
+                        break
+                elif conflicts:
+                    step.verdict, step.conflicts = CONFLICT, conflicts
+                    ok = False
+                    break
+            if all(result.get(p) == ours.get(p) for p in result):
+                step.verdict, step.note = LANDED, "nothing left to change"
+                continue
+            ours = result
+            if have is not None:
+                parent = repo.commit(ours, parent, headers[origin], "", ("", "", ""))
+            elif target.kind == "backport":
+                msg = backport_message(ppatch, origin, target, primary_version)
+                parent = repo.commit(ours, parent, None, msg, _author(ppatch))
+            else:
+                msg = ppatch.subject + "\n\n" + ppatch.message.strip("\n") + "\n"
+                parent = repo.commit(ours, parent, None, msg, _author(ppatch))
+        patches: list[tuple[str, bytes]] = []
+        if ok:
+            git(repo.path, "update-ref", "--no-deref", "HEAD", parent)
+            patches = format_patches(repo.path)
+    res_files = {}
+    if record:
+        res_files = new_resolutions
+    return PortResult(target, steps, patches, res_files, ok)
+
+
+def write_port(result: PortResult) -> tuple[list[str], list[str]]:
+    """Write a ported series (and recorded resolutions) into the target's directory; returns
+    (written, deleted) file names relative to it. Staged first: a failure leaves it intact."""
+    sdir = result.target.sdir
+    series_file = sdir / "series"
+    old_text = series_file.read_text() if series_file.exists() else ""
+    header = series_header(old_text) or (
+        f"# Series over {result.target.what} for {result.target.name}, ported from the "
+        "primary series (patches/series) by `moe_release.py port`.\n"
+    )
+    new_series = header + "".join(f"{n}\n" for n, _ in result.patches)
+    staged: list[tuple[Path, bytes]] = []
+    written, deleted = [], []
+    for name, data in result.patches:
+        path = sdir / name
+        if not path.exists() or path.read_bytes() != data:
+            staged.append((path, data))
+            written.append(name)
+    if old_text != new_series:
+        staged.append((series_file, new_series.encode()))
+        written.append("series")
+    removals = []
+    keep = {n for n, _ in result.patches}
+    old_names = parse_series(old_text, str(series_file)) if old_text else []
+    for name in old_names + [p.name for p in sdir.glob("*.patch")]:
+        if name not in keep and (sdir / name).exists() and (sdir / name) not in removals:
+            removals.append(sdir / name)
+    rdir = sdir / RESOLUTIONS
+    for name, data in sorted(result.resolutions.items()):
+        path = rdir / name
+        if data is None:
+            if path.exists():
+                removals.append(path)
+        elif not path.exists() or path.read_bytes() != data:
+            staged.append((path, data))
+            written.append(f"{RESOLUTIONS}/{name}")
+    tmp_paths: list[tuple[Path, Path]] = []
+    try:
+        for path, data in staged:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp_paths.append((tmp, path))
+            tmp.write_bytes(data)
+        for tmp, path in tmp_paths:
+            os.replace(tmp, path)
+        for path in removals:
+            path.unlink()
+            deleted.append(str(path.relative_to(sdir)))
+        if rdir.is_dir() and not any(rdir.iterdir()):
+            rdir.rmdir()
+    except OSError as exc:
+        for tmp, _ in tmp_paths:
+            tmp.unlink(missing_ok=True)
+        raise os_error(exc, str(sdir)) from None
+    return written, deleted
+
+
+def report_lines(result: PortResult) -> list[str]:
+    """The port's report for one target: per patch its verdict, conflicts with both sides."""
+    sdir = result.target.sdir
+    where = sdir.relative_to(REPO_ROOT) if sdir.is_relative_to(REPO_ROOT) else sdir
+    out = [f"{result.target.describe()} -> {where}:"]
+    for step in result.steps:
+        note = f" ({step.note})" if step.note else ""
+        out.append(f"  {step.verdict:32} {step.patch}{note}")
+        for c in step.conflicts:
+            out.append(f"      {c.describe()}")
+            if c.absent:
+                continue
+            for side, lines in (("target", c.ours), ("primary", c.theirs)):
+                out.append(f"        {side}:")
+                shown = (line.decode(errors="replace").rstrip("\n") for line in lines[:12])
+                out.extend("          | " + line for line in shown)
+                if len(lines) > 12:
+                    out.append(f"          | ... ({len(lines) - 12} more lines)")
+    return out
+
+
+def port_all(
+    names: Sequence[str],
+    mirror: Optional[Path] = None,
+    only: Optional[str] = None,
+    record: bool = False,
+    write: bool = True,
+    root: Path = REPO_ROOT,
+) -> list[tuple[PortResult, Optional[tuple[list[str], list[str]]]]]:
+    """Port onto each target in ``names`` (what the verb runs); a target whose port conflicts is
+    not written. Returns (result, (written, deleted) or None) per target."""
+    targets = [get_target(name, mirror, root) for name in names]  # bad names before any work
+    primary = _primary_states(root)
+    out = []
+    for target in targets:
+        log(f"porting onto {target.describe()}")
+        result = port_target(target, only=only, record=record, root=root, primary=primary)
+        out.append((result, write_port(result) if result.ok and write else None))
+    return out
