@@ -12,7 +12,9 @@ EP=2, four microbatches), on CPU gloo ranks with the host stream stand-ins
   chunk's backward is done its chunk state is empty and its pre/post-process nodes are
   detached from it. These fail on the unpatched base.
 * Stream care: HybridEP's tokens_per_expert, made on the comm stream, is recorded on the
-  compute stream by the expert node instead of being held.
+  compute stream by the expert node instead of being held, where it is a device tensor; the
+  host counts of blocking dispatch (pinned) and drop-and-pad (pageable) are not recorded
+  (record_stream has only a CUDA kernel).
 """
 
 import pytest
@@ -127,13 +129,90 @@ def test_chunk_state_released_after_backward(dist_job, patched_tree, case):
             assert chunk["nodes_hold_chunk_state"] == [False, False], f"rank {rank}: {chunk}"
 
 
-def test_tokens_per_expert_recorded_on_compute_stream(dist_job, patched_tree):
-    case = ("flex", "hybridep", 3)
-    for rank, res in enumerate(_run(dist_job, patched_tree, case, overlap=True)):
-        ptrs = res["tokens_per_expert_ptrs"]
-        assert len(ptrs) == SMALL["microbatches"] * 3
-        on_compute = {op[2] for op in res["record_stream"] if op[1] == "default"}
-        assert set(ptrs) <= on_compute, f"rank {rank}"
+COUNTS_RUNNER = "tests.unit_tests.a2a_overlap.test_a2a_overlap_schedule:overlap_run_with_counts"
+
+
+def overlap_run_with_counts(cfg, device_counts=False):
+    """Rank side: ``overlap_run``, noting each ``tokens_per_expert`` HybridEP's manager hands
+    the experts (placement, dtype) and the streams it is ``record_stream``-ed on.
+
+    ``device_counts`` moves the counts to the device after each dispatch: where the non-blocking
+    dispatch of ``moe_expert_rank_capacity_factor`` returns them (int64 on the GPU, made on the
+    comm stream). That mode itself does not run here: 0.19.2 requires the TE op fuser for it,
+    and SequentialMLP cannot split a static budget's ``[P, H]`` by counts summing to less.
+    """
+    from cpu_runtime import placement
+    from cpu_runtime.a2a_overlap import overlap_run
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    counts, streams = [], []
+    dispatch = td._HybridEPManager.dispatch
+    record_stream = torch.Tensor.record_stream
+
+    def counted_dispatch(self, *args, **kwargs):
+        out = dispatch(self, *args, **kwargs)
+        if device_counts:
+            self.tokens_per_expert = self.tokens_per_expert.to("cuda")
+        counts.append(self.tokens_per_expert)  # held: no other tensor reuses its identity
+        streams.append([])
+        return out
+
+    def recording(tensor, stream):
+        for t, names in zip(counts, streams):
+            if t is tensor:
+                names.append(stream.name)
+        return record_stream(tensor, stream)
+
+    td._HybridEPManager.dispatch = counted_dispatch
+    torch.Tensor.record_stream = recording
+    try:
+        result = overlap_run(cfg)
+    finally:
+        td._HybridEPManager.dispatch = dispatch
+        torch.Tensor.record_stream = record_stream
+    result["counts"] = [
+        {"placement": placement.placement_of(t), "dtype": str(t.dtype), "streams": names}
+        for t, names in zip(counts, streams)
+    ]
+    return result
+
+
+DROP_AND_PAD = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+
+
+@pytest.mark.parametrize(
+    "mode,overrides,device_counts,placement",
+    [
+        # Blocking dispatch (dropless): the kernel's counts, int64 in pinned host memory.
+        pytest.param("blocking", {}, False, "pinned", id="hybridep-blocking-pinned"),
+        # Drop-and-pad (non-blocking dispatch): megatron's own torch.full counts on the host.
+        pytest.param("drop_and_pad", DROP_AND_PAD, False, "pageable", id="hybridep-drop_and_pad"),
+        # The rank-capacity budget's device counts (see overlap_run_with_counts).
+        pytest.param("rank_capacity", {}, True, "device", id="hybridep-device_counts"),
+    ],
+)
+def test_tokens_per_expert_recorded_on_compute_stream(
+    dist_job, patched_tree, mode, overrides, device_counts, placement
+):
+    """What must hold on a GPU: a device tokens_per_expert is recorded on the compute stream
+    (the expert node's record, instead of holding it); host counts are never recorded
+    (record_stream has only a CUDA kernel, and the placement rules raise as it does), and the
+    overlapped step runs."""
+    cfg = _cfg(("flex", "hybridep", 3), overlap=True)
+    if overrides:
+        cfg["config_overrides"] = overrides
+    results = dist_job(COUNTS_RUNNER, 2, patched_tree, cfg=cfg, device_counts=device_counts)
+    for rank, res in enumerate(results):
+        counts = res["counts"]
+        assert len(counts) == SMALL["microbatches"] * 3, f"rank {rank}"
+        assert len(res["tokens_per_expert_ptrs"]) == len(counts), f"rank {rank}"
+        where = {(c["placement"], c["dtype"]) for c in counts}
+        assert where == {(placement, "torch.int64")}, f"rank {rank}, {mode}: {where}"
+        for c in counts:
+            if placement == "device":
+                assert "default" in c["streams"], f"rank {rank}, {mode}: {c}"
+            else:
+                assert c["streams"] == [], f"rank {rank}, {mode}: {c}"
 
 
 def test_layer_serving_two_microbatches(dist_job, patched_tree):

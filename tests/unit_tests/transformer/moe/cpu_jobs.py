@@ -114,8 +114,15 @@ def hybrid_ep_kernel_checks(emu, verdicts: Verdicts) -> None:
             exp, exp_probs, exp_tpe, owners = _expected_dispatch(x, probs, maps, rank, local, pad)
             _check(verdicts, f"{tag}-tokens", out, exp)
             _check(verdicts, f"{tag}-probs", out_probs, exp_probs)
-            _check(verdicts, f"{tag}-tokens_per_expert", tpe, exp_tpe)
-            _check(verdicts, f"{tag}-handle_len", len(handle), 9)
+            # Blocking: int64 counts in pinned host memory (compared as values here; where
+            # each output lives is test_deep_ep_emulation_outputs.py's).
+            _check(
+                verdicts,
+                f"{tag}-tokens_per_expert",
+                (tpe.dtype, tpe.tolist()),
+                (torch.int64, exp_tpe.tolist()),
+            )
+            _check(verdicts, f"{tag}-handle_len", len(handle), 11)
             _check(verdicts, f"{tag}-overflow", int(handle[-1].item()), 0)
             # Combine: scale each row by (local expert + 1); sums of small integers are exact.
             scaled = out * (owners + 1).to(dtype).unsqueeze(-1)
@@ -126,13 +133,18 @@ def hybrid_ep_kernel_checks(emu, verdicts: Verdicts) -> None:
             exp_comb = (x[rank].float() * (maps[rank].float() @ weight).unsqueeze(-1)).to(dtype)
             _check(verdicts, f"{tag}-combine", comb, exp_comb)
             _check(verdicts, f"{tag}-combine_probs", comb_probs, probs[rank] * maps[rank])
-            # Replay with the handle (HybridEPCombine.backward): same layout, no probs.
+            # Replay with the handle (HybridEPCombine.backward): same layout, no probs, and
+            # num_permuted_tokens as megatron-core passes it (the 0-dim sum of the counts).
             again, no_probs, _, tpe2, _ = buf.dispatch_with_permute(
-                hidden=x[rank] * 2, scaling_factor=None, handle=handle, pad_multiple=pad
+                hidden=x[rank] * 2,
+                scaling_factor=None,
+                handle=handle,
+                pad_multiple=pad,
+                num_permuted_tokens=tpe.sum(),
             )
             _check(verdicts, f"{tag}-replay_tokens", again, exp * 2)
             _check(verdicts, f"{tag}-replay_probs", no_probs, None)
-            _check(verdicts, f"{tag}-replay_tokens_per_expert", tpe2, exp_tpe)
+            _check(verdicts, f"{tag}-replay_tokens_per_expert", tpe2, None)
             # A static budget above the need: zero tail rows, no overflow.
             total = exp.shape[0]
             big, big_probs, _, big_tpe, big_handle = buf.dispatch_with_permute(
@@ -150,7 +162,7 @@ def hybrid_ep_kernel_checks(emu, verdicts: Verdicts) -> None:
             _check(
                 verdicts, f"{tag}-budget_probs", big_probs, torch.cat([exp_probs, torch.zeros(3)])
             )
-            _check(verdicts, f"{tag}-budget_tokens_per_expert", big_tpe, exp_tpe)
+            _check(verdicts, f"{tag}-budget_tokens_per_expert", big_tpe, exp_tpe.long())
             _check(verdicts, f"{tag}-budget_overflow", int(big_handle[-1].item()), 0)
             # A budget below the need: rows past it dropped, overflow flagged. Every rank calls
             # (the dispatch is collective); a rank that receives nothing cannot overflow.
