@@ -3,7 +3,8 @@
 The wheel is named megatron-core and versioned `<base>+moerelease.<n>.<hash>`, so dependents
 asking for `megatron-core==0.19.2` or `>=0.19` accept it. Its metadata (dependencies, extras,
 classifiers, URLs) is read at build time from the pinned sdist's own pyproject.toml. Set
-MOE_RELEASE_BASE to build another pinned base (see patches/pins.toml).
+MOE_RELEASE_BASE to build another pinned base (see patches/pins.toml); a Megatron-LM commit base
+also needs MOE_RELEASE_MEGATRON_LM, the clone or `git archive` its files are read from.
 """
 
 import os
@@ -40,7 +41,7 @@ def _upstream_metadata(tree: Tree) -> dict:
     project = tomllib.loads(tree.files["pyproject.toml"].decode())["project"]
     author = project.get("authors", [{}])[0]
     maintainer = project.get("maintainers", [{}])[0]
-    return dict(
+    meta = dict(
         name=project["name"],
         version=tree.version,
         description=project.get("description"),
@@ -58,8 +59,10 @@ def _upstream_metadata(tree: Tree) -> dict:
         classifiers=project.get("classifiers"),
         project_urls=project.get("urls"),
     )
+    return {k: v for k, v in meta.items() if v is not None}
 
 
+HELPERS_CPP = "megatron/core/datasets/helpers.cpp"
 tree, tree_dir = _materialized_tree()
 setup(
     **_upstream_metadata(tree),
@@ -74,11 +77,13 @@ setup(
         # As upstream's setup.py: the dataset index helper, optional (skipped if it fails).
         Pybind11Extension(
             "megatron.core.datasets.helpers_cpp",
-            sources=[f"{tree_dir}/megatron/core/datasets/helpers.cpp"],
+            sources=[f"{tree_dir}/{HELPERS_CPP}"],
             language="c++",
             extra_compile_args=["-O3", "-Wall", "-std=c++17"],
             optional=True,
         )
-    ],
+    ]
+    if HELPERS_CPP in tree.files
+    else [],
     zip_safe=False,
 )

@@ -9,8 +9,12 @@ Pure functions over bytes and their I/O are kept apart:
 * ``patches`` - series files and mboxes: parse, apply with zero fuzz, trailers, label (pure)
 * ``repo`` - the series and overlay modules as read from this repository
 * ``sdist`` - download, verify and read the pinned sdist
+* ``source`` - a base's files: the sdist, or a Megatron-LM commit from a clone or ``git archive``
+  (verified by commit id and tree hash)
 * ``trees`` - build, stamp and write materialized trees
 * ``git`` - the ``edit``/``export`` round trip
 * ``check`` - ``check`` and ``verify``
+* ``port`` - the 3-way port of the primary series onto the other series
+* ``landed`` - which patches a checkout already holds
 * ``cli`` - the verbs
 """

@@ -18,7 +18,8 @@ from .git import create_edit_repo, format_patches
 from .patches import check_trailers, parse_patch
 from .pins import Base
 from .repo import overlay_files, read_series
-from .sdist import fetch_sdist, read_sdist, sha256_file
+from .sdist import sha256_file
+from .source import read_base_files
 from .trees import MANIFEST_PATH, Tree, build_tree
 
 # What `patch`/`git apply --reject`/editors leave behind; a patch adding one vendors a copy.
@@ -46,7 +47,7 @@ def check_base(base: Base, root: Path = REPO_ROOT) -> list[str]:
                 problems.append(f"{name}: adds {fp.path}, a leftover of patch/merge (remove it)")
     if problems:
         return problems
-    base_files = read_sdist(fetch_sdist(base))
+    base_files = read_base_files(base)
     try:
         build_tree(base, base_files, patches, overlay_files(root), compile_check=True)
     except UserError as exc:

@@ -37,7 +37,8 @@ from .patches import overlay_label, parse_patch
 from .pins import load_pins
 from .port import all_target_names, port_all, report_lines
 from .repo import overlay_files, read_series
-from .sdist import fetch_sdist, read_sdist
+from .sdist import fetch_sdist
+from .source import CHECKOUT_ENV, available, not_configured, read_base_files
 from .trees import MANIFEST_PATH, check_target_dir, ensure_trees, load_tree, materialize
 from .upstream import (
     check_checkout_dir,
@@ -52,6 +53,14 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
     pins = load_pins()
     bases = pins.bases.values() if args.all else [pins.get(args.base)]
     for base in bases:
+        if base.is_commit:
+            if not available(base):
+                print(f"{base.name}: skipped ({not_configured(base)})")
+                continue
+            files = read_base_files(base)
+            print(f"{base.name}: {os.environ[CHECKOUT_ENV]} (commit {base.commit[:12]}, tree "
+                  f"{base.tree[:12]}… verified; {len(files)} files)")  # fmt: skip
+            continue
         path = fetch_sdist(base)
         print(f"{base.version}: {path} (sha256 {base.sha256[:12]}… verified)")
     return 0
@@ -60,7 +69,11 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
 def _cmd_materialize(args: argparse.Namespace) -> int:
     tree = materialize(Path(args.dir), args.base, series=not args.no_series)
     print(f"{args.dir}: megatron-core {tree.version}")
-    print(f"  base: {tree.base.sdist} ({tree.base.tag}), sha256 verified")
+    if tree.base.is_commit:
+        print(f"  base: Megatron-LM {tree.base.branch} {tree.base.commit} (pin {tree.base.name}), "
+              "commit and tree verified")  # fmt: skip
+    else:
+        print(f"  base: {tree.base.sdist} ({tree.base.tag}), sha256 verified")
     print(f"  patches: {len(tree.patches)}" + "".join(f"\n    {p}" for p in tree.patches))
     print(f"  new modules: {len(tree.overlay)}" + "".join(f"\n    {p}" for p in tree.overlay))
     return 0
@@ -70,8 +83,8 @@ def _cmd_edit(args: argparse.Namespace) -> int:
     base = load_pins().get(args.base)
     check_target_dir(Path(args.dir))
     patches = read_series(base)
-    create_edit_repo(Path(args.dir), base, read_sdist(fetch_sdist(base)), patches)
-    print(f"{args.dir}: megatron-core {base.version} at tag `base`, {len(patches)} patch commit(s)")
+    create_edit_repo(Path(args.dir), base, read_base_files(base), patches)
+    print(f"{args.dir}: {base.describe()} at tag `base`, {len(patches)} patch commit(s)")
     print("  edit with git (commit --fixup, rebase -i base), then run: export " + args.dir)
     return 0
 
@@ -99,6 +112,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
                 failed = True
             else:
                 print(f"{version}: no series yet ({base.series})")
+            continue
+        if not available(base):
+            if args.base:
+                read_base_files(base)  # named: refused, saying what to set
+            print(f"{version}: skipped ({not_configured(base)})")
             continue
         log(f"checking the series for {version}")
         problems = check_base(base)
@@ -133,14 +151,41 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _cmd_trees(args: argparse.Namespace) -> int:
     if args.list:
-        pins = load_pins()
-        with_series = [v for v, b in pins.bases.items() if (b.series_dir() / "series").exists()]
-        print(" ".join(sorted(with_series, key=lambda v: v != pins.primary)))
+        print(" ".join(listed_bases()))
         return 0
     base, patched = ensure_trees(version=args.base)
     print(f"export MOE_RELEASE_BASE_TREE={shlex.quote(str(base))}")
     print(f"export MOE_RELEASE_TREE={shlex.quote(str(patched))}")
     return 0
+
+
+BASES_ENV = "MOE_RELEASE_BASES"
+
+
+def listed_bases() -> list[str]:
+    """What `trees --list` prints (and `run-tests` loops over): the primary base first, then
+    every base with a series whose files can be read here, in pins.toml order; a base pinned
+    with ``ci = false`` only when ``$MOE_RELEASE_BASES`` asks for it. ``$MOE_RELEASE_BASES``
+    (names, space- or comma-separated, or ``all``) replaces the default selection."""
+    pins = load_pins()
+    chosen = os.environ.get(BASES_ENV, "").replace(",", " ").split()
+    for name in chosen:
+        if name != "all":
+            pins.get(name)  # an unknown name is an error, not an empty loop
+    out = [pins.primary]
+    for name, base in pins.bases.items():
+        if name == pins.primary or not (base.series_dir() / "series").exists():
+            continue
+        if chosen and "all" not in chosen and name not in chosen:
+            continue
+        if not chosen and not base.ci:
+            log(f"skipping {name}: ci = false in patches/pins.toml ({BASES_ENV}={name} runs it)")
+            continue
+        if not available(base):
+            log(f"skipping {name}: {not_configured(base)}")
+            continue
+        out.append(name)
+    return out
 
 
 def _cmd_label(args: argparse.Namespace) -> int:
@@ -216,7 +261,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     def verb(name: str, help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)
-        p.add_argument("--base", help="base version from patches/pins.toml (default: primary)")
+        p.add_argument("--base", help="base from patches/pins.toml (default: primary)")
+        p.add_argument(
+            "--checkout",
+            dest="megatron_lm",
+            metavar="PATH",
+            help="Megatron-LM clone or `git archive` (tar or extracted) of a commit base "
+            f"(default: ${CHECKOUT_ENV})",
+        )
         return p
 
     p = verb("fetch", "download the pinned sdist into the cache and verify its sha256")
@@ -245,7 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
         "materialize a base's pristine and patched trees under .build/trees; prints shell "
         "exports of MOE_RELEASE_BASE_TREE and MOE_RELEASE_TREE"
     )
-    p.add_argument("--list", action="store_true", help="print the bases that have a series")
+    p.add_argument(
+        "--list",
+        action="store_true",
+        help="print the bases whose release tests run-tests runs: the primary, then each base "
+        f"with a series that can be read here (commit bases need ${CHECKOUT_ENV}; "
+        f"${BASES_ENV} chooses)",
+    )
     p.set_defaults(func=_cmd_trees)
     p = verb("label", "print the overlay version (base+label) of the series")
     p.add_argument("--no-series", action="store_true", help="label of the base + new modules only")
@@ -306,6 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point: user errors are one line on stderr and exit status 2."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "megatron_lm", None):
+        os.environ[CHECKOUT_ENV] = args.megatron_lm
     try:
         return args.func(args)
     except UserError as exc:

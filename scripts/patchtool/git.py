@@ -80,7 +80,7 @@ def create_edit_repo(
     with atomic_directory(dest, make_parents=False) as tmp:
         write_files(tmp, base_files)
         git(tmp, "init", "--quiet", "--initial-branch=main")
-        git(tmp, "config", "moerelease.base", base.version)
+        git(tmp, "config", "moerelease.base", base.name)
         git(tmp, "config", "core.autocrlf", "false")
         git(tmp, "add", "--all")
         name, email, date = BASE_IDENT
@@ -90,10 +90,17 @@ def create_edit_repo(
                 GIT_COMMITTER_NAME=name, GIT_COMMITTER_EMAIL=email, GIT_COMMITTER_DATE=date,
             )
         )  # fmt: skip
-        msg = (
-            f"megatron-core {base.version} (PyPI sdist)\n\n"
-            f"sdist: {base.sdist}\nsha256: {base.sha256}\nupstream: {base.tag} ({base.branch})\n"
-        )
+        if base.is_commit:
+            msg = (
+                f"Megatron-LM {base.branch} {base.commit[:12]} (megatron-core {base.version})\n\n"
+                f"commit: {base.commit}\ntree: {base.tree}\npin: {base.name}\n"
+            )
+        else:
+            msg = (
+                f"megatron-core {base.version} (PyPI sdist)\n\n"
+                f"sdist: {base.sdist}\nsha256: {base.sha256}\n"
+                f"upstream: {base.tag} ({base.branch})\n"
+            )
         git(tmp, "commit", "--quiet", "--no-verify", "-m", msg, env=env)
         git(tmp, "tag", "base")
         for patch_name, data in patches:
@@ -102,7 +109,7 @@ def create_edit_repo(
                 git(tmp, *GIT_AM_FLAGS, input=data)
             except UserError as exc:
                 raise UserError(
-                    f"{patch_name}: does not apply to megatron-core {base.version}: {exc}"
+                    f"{patch_name}: does not apply to {base.describe()}: {exc}"
                 ) from None
 
 

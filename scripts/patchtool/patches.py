@@ -286,8 +286,9 @@ def stamp_package_info(text: str, version: str) -> str:
 def overlay_label(
     base: Base, patches: Sequence[tuple[str, bytes]], overlay: Sequence[tuple[str, bytes]]
 ) -> str:
-    """Local version label: a hash of the base, the series in order and the new modules."""
-    digest = hashlib.sha256(base.sha256.encode())
+    """Local version label: a hash of the base (its sdist's sha256 or its commit's tree), the
+    series in order and the new modules."""
+    digest = hashlib.sha256(base.identity.encode())
     for name, data in list(patches) + sorted(overlay):
         digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
     return f"{LABEL_PREFIX}.{len(patches)}.{digest.hexdigest()[:10]}"

@@ -40,9 +40,9 @@ from .common import REPO_ROOT, UserError, log
 from .git import GIT_AM_FLAGS, format_patches, git, git_env
 from .landed import files_state
 from .patches import FilePatch, Patch, apply_file_patch, parse_patch, parse_series, series_header
-from .pins import load_pins
+from .pins import Base, load_pins
 from .repo import read_series, read_series_dir
-from .sdist import fetch_sdist, read_sdist
+from .source import available, not_configured, read_base_files
 from .trees import os_error
 from .upstream import upstream_subject
 
@@ -55,7 +55,6 @@ MARK_OURS, MARK_SEP, MARK_THEIRS = (
     b">>>>>>> " + THEIRS.encode(),
 )
 RESOLUTIONS = "resolutions"
-VARIANT_NAMES = ("main", "dev")
 
 APPLIED, REPLAYED, LANDED, SKIPPED, CONFLICT, KEPT = (
     "applied",
@@ -86,93 +85,54 @@ class Target:
         return f"{self.name} ({self.what})"
 
 
-def _mirror_reader(mirror: Path, commit: str) -> Callable[[Sequence[str]], Files]:
-    def read(paths: Sequence[str]) -> Files:
-        spec = "".join(f"{commit}:{p}\n" for p in paths).encode()
-        done = subprocess.run(
-            ["git", "-C", str(mirror), "cat-file", "--batch"],
-            input=spec, capture_output=True, env=git_env(),
-        )  # fmt: skip
-        if done.returncode != 0:
-            raise UserError(f"{mirror}: git cat-file failed: {done.stderr.decode()[:200]}")
-        out: Files = {}
-        data, pos = done.stdout, 0
-        for path in paths:
-            end = data.index(b"\n", pos)
-            head = data[pos:end].split()
-            pos = end + 1
-            if head[-1] == b"missing":
-                out[path] = None
-                continue
-            size = int(head[2])
-            out[path] = data[pos : pos + size] if head[1] == b"blob" else None
-            pos += size + 1
-        return out
-
-    return read
-
-
-def resolve_commit(mirror: Path, commit: str, what: str) -> str:
-    """The full id of ``commit`` in the Megatron-LM repository ``mirror`` (bare or checkout)."""
-    if not mirror.exists():
-        raise UserError(f"{mirror}: Megatron-LM checkout does not exist")
-    if not mirror.is_dir():
-        raise UserError(f"{mirror}: Megatron-LM checkout is not a directory")
-    done = subprocess.run(
-        ["git", "-C", str(mirror), "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}"],
-        capture_output=True, env=git_env(),
-    )  # fmt: skip
-    if done.returncode != 0:
-        raise UserError(f"{mirror}: has no commit {commit} ({what}); fetch it first")
-    return done.stdout.decode().strip()
+def target_name(base: Base) -> str:
+    """The port target's name for a non-primary base: a commit base's branch (``main``,
+    ``dev``), a release branch for the base whose series is ``patches/backports/<branch>``, the
+    pin's name for another base of that branch (``0.18.0``)."""
+    if base.is_commit or Path(base.series).name == base.branch:
+        return base.branch
+    return base.name
 
 
 def all_target_names(root: Path = REPO_ROOT) -> list[str]:
-    """Every target: the backport branches (pins.toml order), then the upstream variants."""
+    """Every target, in pins.toml order: the backports, then the commit bases (main, dev)."""
     pins = load_pins(root / "patches" / "pins.toml")
-    return [b.branch for v, b in pins.bases.items() if v != pins.primary] + list(VARIANT_NAMES)
+    others = [b for v, b in pins.bases.items() if v != pins.primary]
+    return [target_name(b) for b in others if not b.is_commit] + [
+        target_name(b) for b in others if b.is_commit
+    ]
 
 
 def get_target(name: str, mirror: Optional[Path], root: Path = REPO_ROOT) -> Target:
-    """The target called ``name``: a backport branch from pins.toml or an upstream variant."""
+    """The target called ``name`` (see :func:`target_name`; a pin's name is accepted too)."""
     pins = load_pins(root / "patches" / "pins.toml")
     for version, base in pins.bases.items():
-        if version != pins.primary and name in (base.branch, version):
+        if version == pins.primary or name not in (target_name(base), version):
+            continue
+        if base.is_commit:
+            if mirror is None and not available(base):
+                raise UserError(
+                    f"upstream {base.branch} is {not_configured(base)}, or give --mirror CHECKOUT"
+                )
+            read_base_files(base, mirror)  # a wrong checkout is refused before any work
             return Target(
-                name=base.branch, kind="backport", sdir=base.series_dir(root),
-                what=f"megatron-core {version}",
-                read=lambda paths, b=base: _sdist_reader(b, paths),
+                name=target_name(base), kind="variant", sdir=base.series_dir(root),
+                what=f"Megatron-LM {base.branch} {base.commit[:12]}",
+                read=lambda paths, b=base: _base_reader(b, paths, mirror),
                 branch=base.branch, version=version,
             )  # fmt: skip
-    if name in VARIANT_NAMES:
-        sdir = root / "patches" / "upstream" / name
-        series = sdir / "series"
-        if not series.exists():
-            raise UserError(f"{series}: no variant series for upstream {name}")
-        match = re.search(r"against ([0-9a-f]{7,40})\b", series.read_text())
-        if not match:
-            raise UserError(f"{series}: its header names no commit ('written against <commit>')")
-        if mirror is None:
-            raise UserError(
-                f"upstream {name} is a Megatron-LM commit ({match.group(1)}): give --mirror "
-                "CHECKOUT (a Megatron-LM clone or mirror holding it)"
-            )
-        commit = resolve_commit(mirror, match.group(1), f"upstream {name}'s base")
         return Target(
-            name=name, kind="variant", sdir=sdir, what=f"Megatron-LM {name} {commit[:12]}",
-            read=_mirror_reader(mirror, commit), branch=name,
+            name=target_name(base), kind="backport", sdir=base.series_dir(root),
+            what=f"megatron-core {version}",
+            read=lambda paths, b=base: _base_reader(b, paths, None),
+            branch=base.branch, version=version,
         )  # fmt: skip
     known = ", ".join(all_target_names(root))
     raise UserError(f"unknown port target {name!r} (one of {known})")
 
 
-_SDIST_CACHE: dict[str, dict[str, bytes]] = {}
-
-
-def _sdist_reader(base, paths: Sequence[str]) -> Files:
-    if base.version not in _SDIST_CACHE:
-        _SDIST_CACHE[base.version] = read_sdist(fetch_sdist(base))
-    files = _SDIST_CACHE[base.version]
+def _base_reader(base: Base, paths: Sequence[str], checkout: Optional[Path]) -> Files:
+    files = read_base_files(base, checkout)
     return {p: files.get(p) for p in paths}
 
 
@@ -412,7 +372,7 @@ def _primary_states(root: Path) -> tuple[list[tuple[str, Patch, Files, Files]], 
     pins = load_pins(root / "patches" / "pins.toml")
     base = pins.get(None)
     series = read_series(base, root)
-    files: Files = dict(read_sdist(fetch_sdist(base)))
+    files: Files = dict(read_base_files(base))
     out = []
     for name, data in series:
         patch = parse_patch(data, name)

@@ -18,7 +18,7 @@ from .common import REPO_ROOT, UserError, log
 from .patches import apply_file_patch, overlay_label, parse_patch, sha256_bytes, stamp_package_info
 from .pins import Base, load_pins
 from .repo import overlay_files, read_series
-from .sdist import fetch_sdist, read_sdist
+from .source import read_base_files
 
 MANIFEST_PATH = "megatron/core/_moe_release_manifest.json"
 PACKAGE_INFO = "megatron/core/package_info.py"
@@ -39,6 +39,11 @@ class Tree:
     def version(self) -> str:
         """The overlay's PEP 440 version."""
         return f"{self.base.version}+{self.label}"
+
+    @property
+    def dirname(self) -> str:
+        """The directory name of this tree under .build/trees: the pin's name and the label."""
+        return f"{self.base.name}+{self.label}"
 
 
 def build_tree(
@@ -69,9 +74,7 @@ def build_tree(
     names = []
     for rel, data in overlay:
         if rel in base_files:
-            raise UserError(
-                f"overlay file {rel} collides with upstream megatron-core {base.version}"
-            )
+            raise UserError(f"overlay file {rel} collides with upstream {base.describe()}")
         if rel in files:
             raise UserError(f"overlay file {rel} collides with a file created by the series")
         files[rel] = data
@@ -83,7 +86,7 @@ def build_tree(
             files[PACKAGE_INFO].decode(), tree.version
         ).encode()
         if MANIFEST_PATH in base_files:
-            raise UserError(f"{MANIFEST_PATH} collides with upstream megatron-core {base.version}")
+            raise UserError(f"{MANIFEST_PATH} collides with upstream {base.describe()}")
         files[MANIFEST_PATH] = manifest_bytes(tree)
     return tree
 
@@ -94,16 +97,19 @@ def manifest_bytes(tree: Tree) -> bytes:
     manifest = {
         "name": "megatron-core",
         "version": tree.version,
-        "base": {
-            "version": tree.base.version,
-            "sdist": tree.base.sdist,
-            "sha256": tree.base.sha256,
-            "tag": tree.base.tag,
-        },  # fmt: skip
+        "base": base_record(tree.base),
         "series": tree.patches,
         "files": {p: sha256_bytes(tree.files[p]) for p in hashed},
     }
     return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
+
+
+def base_record(base: Base) -> dict:
+    """What the manifest records of the base: the sdist and its sha256, or the commit."""
+    if base.is_commit:
+        return {"name": base.name, "version": base.version, "commit": base.commit,
+                "tree": base.tree, "branch": base.branch}  # fmt: skip
+    return {"version": base.version, "sdist": base.sdist, "sha256": base.sha256, "tag": base.tag}
 
 
 def _compile_sources(patch_name: str, sources: dict[str, bytes]) -> None:
@@ -125,11 +131,12 @@ def load_tree(
     root: Path = REPO_ROOT,
     compile_check: bool = False,
 ) -> Tree:
-    """Pins + cached sdist + repo series + overlay -> Tree."""
+    """Pins + the base's files (cached sdist or Megatron-LM checkout) + repo series + overlay ->
+    Tree."""
     pins = load_pins(root / "patches" / "pins.toml")
     base = pins.get(version)
     patches = read_series(base, root) if series else []
-    base_files = read_sdist(fetch_sdist(base))
+    base_files = read_base_files(base)
     return build_tree(base, base_files, patches, overlay_files(root), compile_check=compile_check)
 
 
@@ -226,13 +233,13 @@ def ensure_trees(root: Path = REPO_ROOT, version: Optional[str] = None) -> tuple
     trees_dir = root / ".build" / "trees"
     base = load_tree(version, series=False, root=root)
     patched = load_tree(version, root=root)
-    wanted = {f"base-{base.version}": base, patched.version: patched}
+    wanted = {f"base-{base.dirname}": base, patched.dirname: patched}
     for name, tree in wanted.items():
         if not (trees_dir / name).exists():
             log(f"materializing {trees_dir / name}")
             write_tree_atomic(tree.files, trees_dir / name)
-    same_base = (f"base-{base.base.version}", f"{base.base.version}+")
+    same_base = (f"base-{base.base.name}+", f"{base.base.name}+")
     for old in trees_dir.iterdir():
         if old.name not in wanted and old.name.startswith(same_base):
             shutil.rmtree(old, ignore_errors=True)
-    return trees_dir / f"base-{base.version}", trees_dir / patched.version
+    return trees_dir / f"base-{base.dirname}", trees_dir / patched.dirname

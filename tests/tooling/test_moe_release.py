@@ -77,16 +77,35 @@ def test_parse_pins_rejects_bad_entries():
         )
     with pytest.raises(UserError, match="primary base '2'"):
         parse_pins('primary = "2"\n')
+    commit = 'commit="%s"\ntree="%s"\nversion="0.20.0"\nbranch="main"\nseries="p"\n'
+    ok = parse_pins(
+        'primary = "1"\n[bases."1"]\nsdist="x"\nsha256="%s"\ntag="t"\nbranch="b"\n'
+        'series="p"\n[bases.m]\n' % ("0" * 64) + commit % ("a" * 40, "b" * 40)
+    )
+    assert ok.get("m").is_commit and ok.get("m").version == "0.20.0" and ok.get("m").ci
+    with pytest.raises(UserError, match="base m: commit must be 40 lowercase hex"):
+        parse_pins('primary = "m"\n[bases.m]\n' + commit % ("a" * 7, "b" * 40))
+    with pytest.raises(UserError, match="base m lacks tree"):
+        parse_pins(
+            'primary = "m"\n[bases.m]\ncommit="%s"\nversion="1"\nbranch="b"\n'
+            'series="p"\n' % ("a" * 40)
+        )
+    with pytest.raises(UserError, match="base m: unknown key"):
+        parse_pins('primary = "m"\n[bases.m]\nsha256="x"\n' + commit % ("a" * 40, "b" * 40))
 
 
 def test_pins_hold_primary_and_backport_bases(pins):
     assert pins.primary == "0.19.2"
-    assert {v: (b.branch, b.sha256[:8]) for v, b in pins.bases.items()} == {
+    assert {v: (b.branch, b.identity[:8]) for v, b in pins.bases.items()} == {
         "0.19.2": ("core_r0.19.0", "de643eee"),
         "0.18.2": ("core_r0.18.0", "911216b7"),
         "0.17.1": ("core_r0.17.0", "d4c86f3b"),
         "0.16.1": ("core_r0.16.0", "86522fea"),
+        "main-d98e8a6": ("main", "3575bb50"),
+        "dev-d48bd6b": ("dev", "24a79d30"),
     }
+    main = pins.get("main-d98e8a6")
+    assert main.is_commit and main.commit.startswith("d98e8a6") and main.version == "0.20.0"
     with pytest.raises(UserError, match="unknown base version '9.9'"):
         pins.get("9.9")
 
@@ -449,9 +468,15 @@ def test_user_error_is_one_line_without_traceback(tmp_path):
 def test_cli_check_and_label():
     result = cli("check")
     assert result.returncode == 0, result.stdout + result.stderr
-    # Every pinned base: its series checks OK (or, for a backport not written yet, says so).
-    for version in load_pins().bases:
-        assert f"{version}: OK" in result.stdout or f"{version}: no series yet" in result.stdout
+    # Every pinned base: its series checks OK (or, for a backport not written yet, says so; a
+    # commit base without a Megatron-LM checkout configured is skipped, saying so).
+    for version, pinned in load_pins().bases.items():
+        skipped = pinned.is_commit and f"{version}: skipped (" in result.stdout
+        assert (
+            skipped
+            or f"{version}: OK" in result.stdout
+            or f"{version}: no series yet" in (result.stdout)
+        )
     assert "0.19.2: OK" in result.stdout
     label = cli("label").stdout.strip()
     assert label == load_tree().version
@@ -543,9 +568,17 @@ BAD_INPUTS = [
     (["port"], "name the targets: --target TARGET (repeatable) or --all"),
     (["port", "--target", "nope"], "unknown port target 'nope'"),
     (["port", "--target", "main", "--mirror", "{t}/missing"],
-      "{t}/missing: Megatron-LM checkout does not exist"),
+      "base main-d98e8a6: {t}/missing: Megatron-LM source does not exist"),
     (["port", "--target", "main", "--mirror", "{t}/file"],
-      "{t}/file: Megatron-LM checkout is not a directory"),
+      "base main-d98e8a6: {t}/file: not a tar archive"),
+    (["port", "--target", "main", "--mirror", "{t}/empty"],
+      "base main-d98e8a6: {t}/empty is not the pinned Megatron-LM commit: expected commit "
+      "d98e8a64ddf34856e74b24714e3bedb2f5a39553 (tree 3575bb50bf77ba700a7413c96c5cf1e6521e023f), "
+      "found tree 4b825dc642cb6eb9a060e54bf8d69288fbee4904"),
+    (["materialize", "--base", "main-d98e8a6", "--checkout", "{t}/missing", "{t}/out"],
+      "base main-d98e8a6: {t}/missing: Megatron-LM source does not exist"),
+    (["trees", "--base", "dev-d48bd6b", "--checkout", "{t}/empty"],
+      "found tree 4b825dc642cb6eb9a060e54bf8d69288fbee4904"),
     (["port", "--target", "0.18.2", "--patch", "nope.patch"],
       "--patch nope.patch: not in patches/series"),
 ]  # fmt: skip

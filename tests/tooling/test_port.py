@@ -12,10 +12,19 @@ from patchtool.check import check_base
 from patchtool.git import create_edit_repo, export_series
 from patchtool.patches import parse_patch, parse_series
 from patchtool.pins import load_pins
-from patchtool.port import RESOLUTIONS, all_target_names, port_all, report_lines
+from patchtool.port import (
+    RESOLUTIONS,
+    all_target_names,
+    get_target,
+    port_all,
+    report_lines,
+    target_name,
+)
+from patchtool.source import CHECKOUT_ENV
 
 MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
-BACKPORTS = [n for n in all_target_names() if n.startswith("core_r")]
+COMMIT_TARGETS = [target_name(b) for b in load_pins().bases.values() if b.is_commit]
+BACKPORTS = [n for n in all_target_names() if n not in COMMIT_TARGETS]
 # The upstream variants are Megatron-LM commits: ported where a Megatron-LM repository holding
 # them is at hand (the read-only mirror here; CI has the backports, which need only the sdists).
 TARGETS = all_target_names() if MIRROR.is_dir() else BACKPORTS
@@ -33,9 +42,7 @@ def _snapshot(root: Path) -> dict:
 
 
 def _sdir(root: Path, target: str) -> Path:
-    if target.startswith("core_r"):
-        return root / "patches" / "backports" / target
-    return root / "patches" / "upstream" / target
+    return get_target(target, _mirror(), root).sdir
 
 
 def _counterpart(root: Path, target: str, primary: str) -> Path:
@@ -102,7 +109,7 @@ def test_record_derives_the_stored_resolutions_from_the_current_series(repo):
             assert path.read_bytes() == (theirs / path.name).read_bytes(), path
 
 
-def test_one_line_change_reaches_every_series(tmp_path, repo, base, base_files):
+def test_one_line_change_reaches_every_series(tmp_path, repo, base, base_files, monkeypatch):
     """A one-line change to one primary patch (a comment in a hunk) reaches every series with
     one port, nothing else changes, and every base's series still checks."""
     assert OLD_LINE in (repo / "patches" / ALL_GATHER).read_bytes()
@@ -122,7 +129,11 @@ def test_one_line_change_reaches_every_series(tmp_path, repo, base, base_files):
     for path in changed:
         old, new = (_without_index_lines(x[path]) for x in (before, after))
         assert old.replace(OLD_LINE, NEW_LINE) == new, path
+    if MIRROR.is_dir():
+        monkeypatch.setenv(CHECKOUT_ENV, str(MIRROR))
     for version, pinned in load_pins(repo / "patches" / "pins.toml").bases.items():
+        if pinned.is_commit and not MIRROR.is_dir():
+            continue
         assert check_base(pinned, repo) == [], version
 
 
