@@ -110,7 +110,15 @@ def target_series(target: str, root: Path = REPO_ROOT) -> list[tuple[str, bytes]
             raise UserError(f"upstream {target}: no variant series ({vdir / 'series'})")
         return read_series_dir(vdir)
     if target in BACKPORT_TARGETS:
-        base = next((b for b in pins.bases.values() if b.branch == target), None)
+        # The branch's own series (patches/backports/<branch>), not an exact release's copy.
+        base = next(
+            (
+                b
+                for b in pins.bases.values()
+                if b.branch == target and Path(b.series).name == target
+            ),
+            None,
+        )
         if base is None:
             raise UserError(f"upstream {target}: no base in patches/pins.toml has that branch")
         if not (base.series_dir(root) / "series").exists():

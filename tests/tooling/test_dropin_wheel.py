@@ -110,6 +110,8 @@ def test_wheel_for_a_backport_base(tmp_path, version):
     assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
     (wheel,) = tmp_path.glob("megatron_core-*.whl")
     assert wheel.name.startswith(f"megatron_core-{tree.version}-")
+    # A dependent pinned to the exact release (ART: `megatron-core==0.17.0`) accepts it.
+    assert Requirement(f"megatron-core=={version}").specifier.contains(tree.version)
     with zipfile.ZipFile(wheel) as zf:
         # Every file the backport series patched is in the wheel as the series wrote it.
         for rel in tree.touched:

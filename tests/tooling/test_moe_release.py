@@ -99,7 +99,9 @@ def test_pins_hold_primary_and_backport_bases(pins):
     assert {v: (b.branch, b.identity[:8]) for v, b in pins.bases.items()} == {
         "0.19.2": ("core_r0.19.0", "de643eee"),
         "0.18.2": ("core_r0.18.0", "911216b7"),
+        "0.18.0": ("core_r0.18.0", "8feff0cd"),
         "0.17.1": ("core_r0.17.0", "d4c86f3b"),
+        "0.17.0": ("core_r0.17.0", "ff66c206"),
         "0.16.1": ("core_r0.16.0", "86522fea"),
         "main-d98e8a6": ("main", "3575bb50"),
         "dev-d48bd6b": ("dev", "24a79d30"),
