@@ -16,5 +16,6 @@ Pure functions over bytes and their I/O are kept apart:
 * ``check`` - ``check`` and ``verify``
 * ``port`` - the 3-way port of the primary series onto the other series
 * ``landed`` - which patches a checkout already holds
+* ``matrix`` - the compatibility matrix from the pins and the recorded test runs
 * ``cli`` - the verbs
 """

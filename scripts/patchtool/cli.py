@@ -14,6 +14,7 @@ Verbs:
   landed       which patches of a series a (newer) checkout already contains
   upstream     export the series for NVIDIA/Megatron-LM (git am-able, DCO-signed)
   port         carry the primary series onto the backport and upstream variant series (3-way)
+  matrix       the compatibility matrix: base x dispatcher x release tests at the last run
 
 The logic is pure functions over bytes (parse_series, parse_patch, apply_file_patch, ...); the
 verbs are thin I/O around them so tests call both.
@@ -33,6 +34,7 @@ from .check import check_base, find_installed_core, verify_installed
 from .common import UserError, log
 from .git import create_edit_repo, export_series
 from .landed import landed_states
+from .matrix import record_run, table, update_file
 from .patches import overlay_label, parse_patch
 from .pins import load_pins
 from .port import all_target_names, port_all, report_lines
@@ -254,6 +256,21 @@ def _cmd_port(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _cmd_matrix(args: argparse.Namespace) -> int:
+    if args.record:
+        if not args.junit:
+            raise UserError("--record NAME needs --junit XML (pytest's --junitxml output)")
+        print(record_run(args.record, Path(args.junit), args.seconds, args.status))
+        return 0
+    text = table()
+    if args.update:
+        changed = update_file(Path(args.update), text)
+        print(f"{args.update}: {'updated' if changed else 'unchanged'}")
+    else:
+        print(text, end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     parser = argparse.ArgumentParser(prog="moe_release.py", description=__doc__.split("\n\n")[0])
@@ -358,6 +375,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dry-run", action="store_true", help="report only, write nothing")
     p.set_defaults(func=_cmd_port)  # fmt: skip
+    p = sub.add_parser(
+        "matrix",
+        help="print the compatibility matrix (base x dispatcher x release tests, last run)",
+        description="print the compatibility matrix as a markdown table: per pinned base with a "
+        "series, per dispatcher, the release tests that ran and passed at the last run recorded "
+        "by scripts/run-tests under .build/test-runs",
+    )
+    p.add_argument("--update", metavar="FILE", help="rewrite the table between the markers in FILE")
+    p.add_argument("--record", metavar="BASE", help="record a run of BASE's tests (run-tests)")
+    p.add_argument("--junit", metavar="XML", help="with --record: the run's JUnit XML")
+    p.add_argument("--seconds", type=int, default=0, help="with --record: the run's wall time")
+    p.add_argument("--status", type=int, default=0, help="with --record: pytest's exit status")
+    p.set_defaults(func=_cmd_matrix)
     return parser
 
 

@@ -1,0 +1,204 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""The compatibility matrix: per pinned base (release or Megatron-LM commit), per dispatcher,
+which release tests ran and passed at the last recorded run.
+
+``scripts/run-tests`` records each base's run (pytest's JUnit XML) with ``matrix --record``
+into ``.build/test-runs/<base>.json`` (not committed); ``matrix`` prints the table from
+patches/pins.toml and those records, and ``matrix --update FILE`` rewrites the table between
+the ``<!-- moe-release matrix -->`` markers in FILE (the README). A record whose series label
+is not the base's current one is shown as stale: the series changed since it ran.
+
+The release tests are the node-id prefixes of ``BACKPORT_CASES`` in
+``tests/unit_tests/conftest.py`` (read as text, never imported); each is put in a column by
+its node id: the A2A-overlap tests by their directory, the others by the dispatcher named in
+their parameters (flex on HybridEP or DeepEP, all-to-all, all-gather), the rest (CPU guards,
+communication-buffer teardown) under "other".
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import json
+import os
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Optional
+
+from .common import REPO_ROOT, UserError
+from .patches import overlay_label
+from .pins import Base, load_pins
+from .repo import overlay_files, read_series
+
+RUNS_DIR = Path(".build") / "test-runs"
+CONFTEST = Path("tests") / "unit_tests" / "conftest.py"
+BEGIN, END = "<!-- moe-release matrix -->", "<!-- /moe-release matrix -->"
+COLUMNS = ("flex-hybridep", "flex-deepep", "alltoall", "allgather", "A2A-overlap", "other")
+
+
+def release_cases(root: Path = REPO_ROOT) -> tuple[str, ...]:
+    """The BACKPORT_CASES node-id prefixes, read from the unit tests' conftest."""
+    path = root / CONFTEST
+    try:
+        tree = ast.parse(path.read_text(), str(path))
+    except (OSError, SyntaxError) as exc:
+        raise UserError(f"{path}: cannot read BACKPORT_CASES: {exc}") from None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "BACKPORT_CASES" for t in node.targets
+        ):
+            return tuple(ast.literal_eval(node.value))
+    raise UserError(f"{path}: defines no BACKPORT_CASES")
+
+
+def column(nodeid: str) -> str:
+    """The matrix column of a release test's node id (relative to tests/unit_tests)."""
+    if nodeid.startswith("a2a_overlap/"):
+        return "A2A-overlap"
+    params = nodeid.partition("[")[2].lower()
+    name = nodeid.lower()
+    for key, col in (("deepep", "flex-deepep"), ("hybridep", "flex-hybridep"),
+                     ("alltoall", "alltoall"), ("allgather", "allgather")):  # fmt: skip
+        if key in params:
+            return col
+    if "hybridep" in name:
+        return "flex-hybridep"
+    return "other"
+
+
+def _nodeid(classname: str, name: str) -> str:
+    parts = classname.split(".")
+    if "unit_tests" in parts:
+        parts = parts[parts.index("unit_tests") + 1 :]
+    module = max((i for i, p in enumerate(parts) if p.startswith("test_")), default=len(parts) - 1)
+    return "/".join(parts[: module + 1]) + ".py::" + "::".join(parts[module + 1 :] + [name])
+
+
+def junit_outcomes(path: Path) -> dict[str, str]:
+    """{node id relative to tests/unit_tests: passed|failed|skipped} of a JUnit XML file."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError) as exc:
+        raise UserError(f"{path}: cannot read the JUnit XML: {exc}") from None
+    out = {}
+    for case in root.iter("testcase"):
+        tags = {child.tag for child in case}
+        outcome = (
+            "failed"
+            if tags & {"failure", "error"}
+            else "skipped"
+            if "skipped" in tags
+            else "passed"
+        )
+        out[_nodeid(case.get("classname", ""), case.get("name", ""))] = outcome
+    return out
+
+
+def series_label(base: Base, root: Path = REPO_ROOT) -> str:
+    """The overlay version the base's series builds now (what a record is compared with)."""
+    return f"{base.version}+{overlay_label(base, read_series(base, root), overlay_files(root))}"
+
+
+def record_run(name: str, junit: Path, seconds: int, status: int, root: Path = REPO_ROOT) -> Path:
+    """Write ``.build/test-runs/<name>.json``: the base's release-test outcomes from one run."""
+    base = load_pins(root / "patches" / "pins.toml").get(name)
+    cases = release_cases(root)
+    outcomes = junit_outcomes(junit) if junit.exists() else {}
+    release = {n: o for n, o in sorted(outcomes.items()) if n.startswith(cases)}
+    record = {
+        "base": name,
+        "label": series_label(base, root),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "seconds": seconds,
+        "exit_status": status,
+        "all_tests": {
+            k: sum(1 for o in outcomes.values() if o == k) for k in ("passed", "failed", "skipped")
+        },  # fmt: skip
+        "release_tests": release,
+    }
+    out = root / RUNS_DIR / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
+def _cell(outcomes: list[str]) -> str:
+    if not outcomes:
+        return "—"
+    n, passed = len(outcomes), outcomes.count("passed")
+    failed, skipped = outcomes.count("failed"), outcomes.count("skipped")
+    if passed == n:
+        return f"✓ {n}/{n}"
+    parts = [f"{failed} failed"] * bool(failed) + [f"{skipped} skipped"] * bool(skipped)
+    return f"✗ {passed}/{n} ({', '.join(parts)})"
+
+
+def table(root: Path = REPO_ROOT) -> str:
+    """The matrix as a markdown table, one row per pinned base with a series."""
+    pins = load_pins(root / "patches" / "pins.toml")
+    head = ["base", "source"] + list(COLUMNS) + ["last run"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, base in pins.bases.items():
+        if not (base.series_dir(root) / "series").exists():
+            continue
+        source = (
+            f"Megatron-LM `{base.branch}` `{base.commit[:12]}` ({base.version})"
+            if base.is_commit
+            else f"PyPI `{base.sdist}`"
+        )
+        record = _load(root / RUNS_DIR / f"{name}.json")
+        if record is None:
+            cells = ["not run"] * len(COLUMNS)
+            last = "not run"
+        else:
+            by_col: dict[str, list[str]] = {c: [] for c in COLUMNS}
+            for nodeid, outcome in record["release_tests"].items():
+                by_col[column(nodeid)].append(outcome)
+            cells = [_cell(by_col[c]) for c in COLUMNS]
+            stale = record["label"] != series_label(base, root)
+            last = f"{record['date']}, {record['seconds']} s" + (
+                " (stale: the series changed since)" if stale else ""
+            )
+            if not record["release_tests"]:
+                cells = [f"no release tests ran (exit {record['exit_status']})"] + [""] * (
+                    len(COLUMNS) - 1
+                )
+        rows.append("| " + " | ".join([f"`{name}`", source] + cells + [last]) + " |")
+    legend = (
+        "Cells: release tests (`-m backport`, one case per fix) that passed / ran at the last "
+        "recorded `scripts/run-tests` run of that base; ✗ names failures and skips; — none in "
+        "that column; \"not run\": no run recorded here. `moe_release.py matrix --update "
+        "README.md` regenerates this table."
+    )
+    return "\n".join(rows) + "\n\n" + legend + "\n"
+
+
+def _load(path: Path) -> Optional[dict]:
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def update_file(path: Path, text: str) -> bool:
+    """Replace the block between the matrix markers in ``path``; returns whether it changed."""
+    try:
+        old = path.read_text()
+    except OSError as exc:
+        raise UserError(f"{path}: {exc.strerror or exc}") from None
+    if BEGIN not in old or END not in old:
+        raise UserError(f"{path}: has no '{BEGIN}' ... '{END}' block to update")
+    start = old.index(BEGIN) + len(BEGIN)
+    end = old.index(END)
+    new = old[:start] + "\n" + text + old[end:]
+    if new == old:
+        return False
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(new)
+    os.replace(tmp, path)
+    return True
