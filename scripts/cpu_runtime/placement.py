@@ -545,7 +545,7 @@ class PlacementMode(TorchFunctionMode):
     # -- moves -----------------------------------------------------------------------------
     def _to(self, tensor, to_cuda: bool, non_blocking: bool, args, kwargs):
         src = placement_of(tensor)
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "non_blocking")}
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "non_blocking", "copy")}
         if (src == DEVICE) == to_cuda:
             if not (args or kwargs):
                 return tensor
@@ -570,6 +570,8 @@ class PlacementMode(TorchFunctionMode):
         return mark(out, PAGEABLE)
 
     def _tensor_to(self, args, kwargs):
+        """``Tensor.to`` in each of its forms: ``(device, dtype, non_blocking, copy)``,
+        ``(dtype, non_blocking, copy)``, ``(other, non_blocking, copy)``, positional or not."""
         tensor, rest = args[0], list(args[1:])
         kwargs = dict(kwargs)
         device = kwargs.pop("device", None)
@@ -579,18 +581,26 @@ class PlacementMode(TorchFunctionMode):
                 rest.pop(0)
                 device = _device_of(placement_of(first))
                 kwargs.setdefault("dtype", first.dtype)
-            elif isinstance(first, (str, int, torch.device)):
+            elif isinstance(first, (str, int, torch.device)) and not isinstance(first, bool):
                 device = rest.pop(0)
+        if rest and (rest[0] is None or isinstance(rest[0], torch.dtype)):
+            dtype = rest.pop(0)
+            if dtype is not None:
+                kwargs.setdefault("dtype", dtype)
         non_blocking = kwargs.pop("non_blocking", False)
-        if len(rest) > 1 and isinstance(rest[1], bool):  # to(dtype, non_blocking, ...)
-            non_blocking = rest[1]
+        if rest:
+            non_blocking = bool(rest.pop(0))
+        if rest:
+            kwargs["copy"] = bool(rest.pop(0))
+        if kwargs.get("dtype", 0) is None:
+            del kwargs["dtype"]
         on_cuda = _is_cuda_device(device)
         if on_cuda is None:
-            out = tensor.to(*rest, **kwargs)
+            out = tensor.to(non_blocking=non_blocking, **kwargs) if kwargs else tensor
             if out is not tensor and placement_of(tensor) != DEVICE:
                 self._inherit(out, [tensor])
             return out
-        return self._to(tensor, on_cuda, non_blocking, rest, kwargs)
+        return self._to(tensor, on_cuda, non_blocking, (), kwargs)
 
     def _backward(self, func, args, kwargs):
         """``Tensor.backward``/``torch.autograd.backward`` with the rules in force inside: the
@@ -652,7 +662,7 @@ class PlacementMode(TorchFunctionMode):
             self._inherit(out, inputs)
         elif reads_data:
             written = list(_tensors(out if isinstance(out, (list, tuple)) else (out,)))
-            if _in_place(func) and isinstance(args[0], torch.Tensor):
+            if args and _in_place(func) and isinstance(args[0], torch.Tensor):
                 written.append(args[0])
             _stamp(written)
         return out

@@ -195,3 +195,15 @@ def test_device_random_ops_draw_from_the_device_generator(rules):
 def test_current_device_is_the_emulated_gpu(rules):
     assert torch.cuda.current_device() == 0
     assert pl.placement_of(torch.zeros(1, device=torch.cuda.current_device())) == pl.DEVICE
+
+
+def test_every_form_of_tensor_to(rules):
+    """Tensor.to's positional forms, as nn.Module.to calls it: to(device, None, non_blocking)."""
+    host = torch.ones(2, device="cpu")
+    assert host.to("cuda", None, False).is_cuda
+    assert host.to(torch.device("cuda"), torch.float64, True).dtype == torch.float64
+    assert pl.placement_of(host.to(torch.float16)) == pl.PAGEABLE
+    assert host.to(torch.float32, False, True) is not host
+    module = torch.nn.Linear(2, 2, device="cpu").to(torch.device("cuda"))
+    assert module.weight.is_cuda
+    assert torch.nn.Linear(2, 2).weight.is_cuda  # kaiming_uniform_ reaches the mode by keyword
