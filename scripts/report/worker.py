@@ -25,10 +25,20 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from cpu_runtime import placement
 from cpu_runtime.cpu_memory import downsample
 
 
 def _device() -> torch.device:
+    """Where the model and its inputs go: the GPU, or on a CPU run under the placement rules
+    (cpu_runtime.placement) the emulated one (host memory placed as device tensors)."""
+    if torch.cuda.is_available() or placement.active():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _memory_device() -> torch.device:
+    """Whose allocator the figures come from: CUDA's, else the counting host allocator."""
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -320,7 +330,7 @@ def train(cfg: Dict[str, Any]) -> Dict[str, Any]:
     init_megatron(ep=dist.get_world_size(), seed=cfg["seed"])
     cpu_compat.install_attention_cpu_shim()
     torch.manual_seed(cfg["seed"])
-    clock = AllocatorClock(_device()) if cfg["measure"] else None
+    clock = AllocatorClock(_memory_device()) if cfg["measure"] else None
     losses: List[float] = []
     norms: List[float] = []
     times: List[float] = []
