@@ -10,15 +10,28 @@ rank of ``torch.distributed.run`` runs pytest, as on upstream's CI), before upst
   ``True`` only to code in the checkout's ``tests/`` (so ``skipif(not
   torch.cuda.is_available())`` runs the test, as on a GPU runner) and ``False`` everywhere else,
   so megatron-core keeps the host paths it has.
-* **Placement.** ``Tensor.cuda()``/``Module.cuda()`` keep tensors on the host; a
-  ``TorchFunctionMode`` turns every ``device=`` naming CUDA (``"cuda"``, ``"cuda:N"``, a CUDA
-  ``torch.device``, a bare index as from ``torch.cuda.current_device()``) and ``Tensor.to``'s
-  CUDA targets into ``"cpu"``, and drops ``pin_memory``; ``Tensor.to`` is also wrapped
-  directly, because the mode is not active where the autograd engine runs a backward (a
-  checkpoint's recompute).
-* **The device API.** ``set_device`` and ``synchronize`` are no-ops, ``current_device()`` is
-  ``0``, ``device_count()`` the local world size; streams and events are the host stand-ins of
-  :mod:`cpu_runtime.host_streams`; the CUDA RNG calls use a host generator
+* **Placement: CUDA's rules on the host** (default; ``UPSTREAM_CPU_PLACEMENT=0``, ``run.py
+  --no-placement``, turns them off). The CPU runtime's placement rules
+  (:func:`cpu_runtime.placement.install`) give every tensor the placement it would have on a
+  GPU and refuse what CUDA refuses: ``device="cuda"``/``cuda:N``/an index, ``.cuda()``,
+  ``.to("cuda")``, ``Module.cuda()`` make device tensors (the tests' inputs), a factory without
+  ``device=`` in megatron-core makes a pageable host tensor (``pin_memory=True`` a pinned one),
+  ``.is_cuda``/``.device``/``.is_pinned()`` answer by placement; ``record_stream`` on a host
+  tensor raises torch's ``NotImplementedError``, an op mixing device and host tensors raises
+  CUDA's device-mismatch error, ``.numpy()`` of a device tensor raises. They also answer
+  ``torch.cuda.current_device()`` (0), ``synchronize``, ``current_stream``/``default_stream``/
+  ``stream``/``Stream``/``Event`` (the host stand-ins of :mod:`cpu_runtime.host_streams`), and
+  run a backward with the rules in force (``Tensor.backward``/``torch.autograd.backward``, a
+  checkpoint's recompute included), so ``Tensor.to`` needs no wrapping.
+  Without them (the plugin's earlier placement, for comparison): a ``TorchFunctionMode`` turns
+  every ``device=`` naming CUDA and ``Tensor.to``'s CUDA targets into ``"cpu"`` and drops
+  ``pin_memory``, ``Tensor.cuda()``/``Module.cuda()`` keep tensors where they are,
+  ``Tensor.to`` is wrapped directly (the mode is not active where the autograd engine runs a
+  backward), and the stream calls are the same host stand-ins.
+* **The device API.** ``set_device`` is a no-op, ``device_count()`` the local world size,
+  ``get_device_properties``/``get_device_capability``/``get_device_name`` describe an H100
+  (compute capability 9.0, as upstream's runners; without Transformer Engine only the tests'
+  fp8-recipe lists read it); the CUDA RNG calls use a host generator
   (:func:`cpu_runtime.compat.install_cpu_rng_shim` for ``tensor_parallel.random``).
 * **Communication.** ``nccl`` process groups are created as ``gloo`` (``device_ids`` dropped
   from barriers, and group timeouts capped by ``UPSTREAM_CPU_PG_TIMEOUT`` seconds, default 180,
@@ -34,15 +47,30 @@ rank of ``torch.distributed.run`` runs pytest, as on upstream's CI), before upst
 * ``UPSTREAM_CPU_DEEP_EP=emulation`` registers moe-release's CPU emulation of the ``deep_ep``
   kernels (HybridEP and DeepEP, :mod:`cpu_runtime.deep_ep_emulation`), so the flex-dispatcher
   tests run too; off by default, because upstream's checkout does not contain it.
+* ``UPSTREAM_CPU_TE=local`` (``run.py --te-local-spec``) runs the tests that need Transformer
+  Engine only for its modules on megatron-core's local ones: to the checkout's tests (only to
+  them) ``is_te_min_version`` answers as TE :data:`TE_VERSION_FOR_TESTS` would, and
+  ``get_gpt_decoder_block_spec``/``get_gpt_mtp_block_spec`` asked for TE, and
+  ``get_gpt_layer_with_transformer_engine_spec``, give the local spec. Off by default: it
+  changes what those tests test (local linears and attention instead of TE's), not the
+  dispatchers and schedules they exercise. Tests that need TE itself (fp8, TE >= 2.3's
+  fusions, its NCCL-EP and op-fuser APIs) still skip.
+* ``UPSTREAM_CPU_STREAM_ORDER=0`` (``run.py --no-stream-order``) keeps the placement rules but
+  not their stream-ordering check (see :func:`_without_stream_order`).
+* ``UPSTREAM_CPU_FP32_GEMM=1`` (``run.py --fp32-gemm``) runs half-precision GEMMs in float32,
+  rounded once (see :class:`Fp32GemmMode`): on a host without native bf16 the A2A-overlap
+  tests' bf16 attention would otherwise take hours.
 
 What stays out of reach on the host is what needs Transformer Engine, fp8, or the real
 deep_ep/NCCL-EP kernels: those tests skip (or fail) exactly as on a GPU runner without them.
 
-Each rank appends its test outcomes as JSON lines to ``$UPSTREAM_CPU_REPORT_DIR/rank<R>.jsonl``
+Each rank appends its test outcomes (a module that fails to collect included, as one failed
+entry named by its file) as JSON lines to ``$UPSTREAM_CPU_REPORT_DIR/rank<R>.jsonl``
 when that variable is set (:mod:`upstream_cpu.run` aggregates them).
 """
 
 import datetime
+import inspect
 import json
 import os
 import sys
@@ -54,8 +82,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from cpu_runtime import compat
+from cpu_runtime import compat, placement
 from cpu_runtime.host_streams import (
     HOST_STREAMS,
     HostEvent,
@@ -65,8 +94,18 @@ from cpu_runtime.host_streams import (
 
 CHECKOUT = Path(os.environ.get("UPSTREAM_CPU_CHECKOUT", os.getcwd())).resolve()
 TESTS_DIR = str(CHECKOUT / "tests") + os.sep
+# The placement rules (default) or the plugin's own CUDA-to-host mode (UPSTREAM_CPU_PLACEMENT=0).
+PLACEMENT = os.environ.get("UPSTREAM_CPU_PLACEMENT", "1") != "0"
+# What the checkout's tests see as Transformer Engine's version under UPSTREAM_CPU_TE=local: the
+# lowest the A2A-overlap schedule tests ask for; below 2.3, so no fp8 recipe is parametrized.
+TE_VERSION_FOR_TESTS = "1.9.0"
 
 _real_is_available = torch.cuda.is_available
+
+
+def _from_tests(depth: int = 2) -> bool:
+    """Whether the caller's caller (``depth`` frames up) is code in the checkout's tests/."""
+    return sys._getframe(depth).f_code.co_filename.startswith(TESTS_DIR)
 
 
 def _is_cuda_device(device: Any) -> bool:
@@ -85,7 +124,8 @@ def _host(device: Any) -> Any:
 
 
 class HostDeviceMode(TorchFunctionMode):
-    """Place every tensor a torch function is asked to put on CUDA on the host instead."""
+    """Without the placement rules: place every tensor a torch function is asked to put on CUDA
+    on the host instead."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -102,8 +142,7 @@ class HostDeviceMode(TorchFunctionMode):
 
 def is_available() -> bool:
     """``torch.cuda.is_available()``: ``True`` for the checkout's tests, else the real answer."""
-    caller = sys._getframe(1).f_code.co_filename
-    if caller.startswith(TESTS_DIR):
+    if _from_tests():
         return True
     return _real_is_available()
 
@@ -112,8 +151,8 @@ _real_tensor_to = torch.Tensor.to
 
 
 def _tensor_to(self, *args, **kwargs):
-    # Also outside the mode: torch function modes are not active where the autograd engine runs
-    # a backward (e.g. a checkpoint's recompute).
+    # Without the placement rules, also outside the mode: torch function modes are not active
+    # where the autograd engine runs a backward (e.g. a checkpoint's recompute).
     if "device" in kwargs and _is_cuda_device(kwargs["device"]):
         kwargs["device"] = "cpu"
     return _real_tensor_to(self, *(_host(a) for a in args), **kwargs)
@@ -147,6 +186,31 @@ def _current_device() -> int:
 
 def _manual_seed_all(seed: int) -> None:
     compat._shadow_manual_seed(seed)
+
+
+# What a device query answers: an H100 (upstream's runners), 80 GiB.
+DEVICE_PROPERTIES = types.SimpleNamespace(
+    name="NVIDIA H100 80GB HBM3 (upstream_cpu host stand-in)",
+    major=9,
+    minor=0,
+    total_memory=80 * 2**30,
+    multi_processor_count=132,
+    is_integrated=False,
+    is_multi_gpu_board=False,
+    warp_size=32,
+)
+
+
+def _get_device_properties(device: Any = None) -> types.SimpleNamespace:
+    return DEVICE_PROPERTIES
+
+
+def _get_device_capability(device: Any = None) -> tuple:
+    return DEVICE_PROPERTIES.major, DEVICE_PROPERTIES.minor
+
+
+def _get_device_name(device: Any = None) -> str:
+    return DEVICE_PROPERTIES.name
 
 
 def _pg_timeout(timeout: Optional[datetime.timedelta]) -> datetime.timedelta:
@@ -246,14 +310,148 @@ def _install_deep_ep_emulation() -> None:
     emulation.install()
 
 
-def install() -> None:
-    """Install every stand-in above (idempotent); megatron-core is imported at the end."""
-    if getattr(torch.cuda, "_upstream_cpu", False):
-        return
+def _te_local_specs() -> None:
+    """``UPSTREAM_CPU_TE=local``: the checkout's tests see Transformer Engine
+    :data:`TE_VERSION_FOR_TESTS` in ``is_te_min_version`` and get megatron-core's local specs
+    where they ask for TE's (see the module docstring). Everyone else sees the real answers."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from packaging.version import Version
+
+    from megatron.core import utils as mcore_utils
+
+    real_min_version = mcore_utils.is_te_min_version
+
+    def is_te_min_version(version, check_equality=True):
+        if not _from_tests():
+            return real_min_version(version, check_equality)
+        te, wanted = Version(TE_VERSION_FOR_TESTS), Version(version)
+        return te >= wanted if check_equality else te > wanted
+
+    is_te_min_version.__wrapped__ = real_min_version
+    mcore_utils.is_te_min_version = is_te_min_version
+
+    def without_te(original, flag="use_transformer_engine"):
+        signature = inspect.signature(original)
+
+        def spec(*args, **kwargs):
+            if _from_tests():
+                bound = signature.bind(*args, **kwargs)
+                bound.arguments[flag] = False
+                args, kwargs = bound.args, bound.kwargs
+            return original(*args, **kwargs)
+
+        spec.__wrapped__ = original
+        spec.__name__ = original.__name__
+        return spec
+
+    for name in ("get_gpt_decoder_block_spec", "get_gpt_mtp_block_spec"):
+        setattr(specs, name, without_te(getattr(specs, name)))
+
+    te_spec = specs.get_gpt_layer_with_transformer_engine_spec
+    te_params = inspect.signature(specs.get_gpt_layer_with_transformer_engine_submodules)
+    local_params = inspect.signature(specs.get_gpt_layer_local_submodules).parameters
+
+    def get_gpt_layer_with_transformer_engine_spec(*args, **kwargs):
+        if not _from_tests():
+            return te_spec(*args, **kwargs)
+        bound = te_params.bind(*args, **kwargs)
+        local = {k: v for k, v in bound.arguments.items() if k in local_params}
+        return specs.get_gpt_layer_local_spec(**local)
+
+    get_gpt_layer_with_transformer_engine_spec.__wrapped__ = te_spec
+    specs.get_gpt_layer_with_transformer_engine_spec = get_gpt_layer_with_transformer_engine_spec
+    _local_attention_with_mla()
+    _local_norm_on_the_device()
+
+
+def _local_attention_with_mla() -> None:
+    """The local spec's core attention, ``DotProductAttention``, does not take the head sizes
+    multi-latent attention passes (``k_channels``, ``v_channels``: only TE's attention does), so
+    on the local spec every MLA model fails to build; upstream's A2A-overlap tests all use MLA.
+    Under ``UPSTREAM_CPU_TE=local`` the local spec's core attention accepts them: queries and
+    keys of any head size (its matmuls take them as they come; MLA passes its softmax scale)
+    and an output of ``v_channels`` per head. Without them it is ``DotProductAttention``."""
+    from megatron.core.models import backends
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class LocalDotProductAttention(DotProductAttention):
+        """``DotProductAttention`` that also takes MLA's ``k_channels``/``v_channels``."""
+
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    def core_attention(self) -> type:
+        return LocalDotProductAttention
+
+    backends.LocalSpecProvider.core_attention = core_attention
+
+
+def _local_norm_on_the_device() -> None:
+    """The local spec's norm, ``WrappedTorchNorm``, is a ``torch.nn`` norm made on the host in
+    float32, as megatron-core's training loop expects (it moves the model with ``.cuda()`` and
+    casts it); TE's ``TENorm``, which the tests ask for, is made on the current device in
+    ``params_dtype``, and the A2A-overlap tests never move their models. Under
+    ``UPSTREAM_CPU_TE=local`` the local norm is made as TE's is."""
+    from megatron.core.transformer import torch_norm
+
+    cls = torch_norm.WrappedTorchNorm
+    real_new = cls.__new__
+
+    def __new__(cls, config, *args, **kwargs):
+        norm = real_new(cls, config, *args, **kwargs)
+        return norm.to(device=torch.cuda.current_device(), dtype=config.params_dtype)
+
+    __new__.__wrapped__ = real_new
+    cls.__new__ = __new__
+
+
+class Fp32GemmMode(TorchDispatchMode):
+    """``UPSTREAM_CPU_FP32_GEMM=1``: a half-precision GEMM (``mm``, ``bmm``, ``addmm``,
+    ``baddbmm`` with every tensor bf16, or every one fp16) runs in float32 and is rounded once
+    to its dtype, as a GPU's tensor cores accumulate it in float32. On a host without native
+    bf16 (AVX2), torch's own bf16 GEMM runs some 30 times slower than float32, too slow for
+    upstream's GPU-sized tests (the A2A-overlap layer's attention alone). A dispatch mode, below
+    autograd: the backward's GEMMs (autograd's own formulas) are covered too."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # Below the torch functions: what runs here is not one (the placement rules, a torch
+        # function mode, must not see the aten ops of an autograd formula or these casts).
+        with torch._C.DisableTorchFunction():
+            if func in _GEMMS:
+                dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor)}
+                if len(dtypes) == 1 and dtypes <= _HALF:
+                    up = tuple(a.float() if isinstance(a, torch.Tensor) else a for a in args)
+                    return func(*up, **kwargs).to(dtypes.pop())
+            return func(*args, **kwargs)
+
+
+_HALF = frozenset({torch.bfloat16, torch.float16})
+_GEMMS = frozenset(
+    {
+        torch.ops.aten.mm.default,
+        torch.ops.aten.bmm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.baddbmm.default,
+    }
+)
+
+
+def _without_stream_order() -> None:
+    """``UPSTREAM_CPU_STREAM_ORDER=0``: the placement rules without their stream-ordering check
+    (a read on another stream not ordered after its write), to see past a race a test itself
+    runs (upstream's layer-level A2A-overlap tests hand the backward a gradient made on the
+    default stream to a node on the communication stream, with no wait). A workaround until
+    :mod:`cpu_runtime.placement` has a switch of its own: it replaces its ``_check_read``."""
+    placement._check_read = lambda tensor, reader, func: None
+
+
+def _install_host_device_mode() -> None:
+    """Without the placement rules: CUDA placed on the host by :class:`HostDeviceMode`, the
+    stream calls answered by the host stand-ins."""
     cuda = torch.cuda
-    cuda.is_available = is_available
-    cuda.device_count = device_count
-    cuda.set_device = _set_device
     cuda.current_device = _current_device
     cuda.synchronize = _synchronize
     cuda.Stream = HostStream
@@ -261,18 +459,40 @@ def install() -> None:
     cuda.current_stream = HOST_STREAMS.current_stream
     cuda.default_stream = lambda device=None: HOST_STREAMS.default
     cuda.stream = HOST_STREAMS.stream
-    cuda.get_rng_state = compat._shadow_get_state
-    cuda.set_rng_state = compat._shadow_set_state
-    cuda.manual_seed = compat._shadow_manual_seed
-    cuda.manual_seed_all = _manual_seed_all
     torch.Tensor.cuda = _tensor_cuda
     torch.Tensor.to = _tensor_to
     torch.nn.Module.cuda = _module_cuda
     install_record_stream_stand_in()
+    HostDeviceMode().__enter__()
+
+
+def install() -> None:
+    """Install every stand-in above (idempotent); megatron-core is imported at the end, after
+    the placement rules (its import-time tensors are host tensors, as on a GPU)."""
+    if getattr(torch.cuda, "_upstream_cpu", False):
+        return
+    cuda = torch.cuda
+    cuda.is_available = is_available
+    cuda.device_count = device_count
+    cuda.set_device = _set_device
+    cuda.get_device_properties = _get_device_properties
+    cuda.get_device_capability = _get_device_capability
+    cuda.get_device_name = _get_device_name
+    cuda.get_rng_state = compat._shadow_get_state
+    cuda.set_rng_state = compat._shadow_set_state
+    cuda.manual_seed = compat._shadow_manual_seed
+    cuda.manual_seed_all = _manual_seed_all
+    if PLACEMENT:
+        # current_device, synchronize, the streams and events, record_stream: the rules' own.
+        if not placement.install():
+            raise RuntimeError("upstream_cpu: the placement rules did not install")
+        if os.environ.get("UPSTREAM_CPU_STREAM_ORDER", "1") == "0":
+            _without_stream_order()
+    else:
+        _install_host_device_mode()
     dist.init_process_group = init_process_group
     dist.new_group = new_group
     dist.barrier = barrier
-    HostDeviceMode().__enter__()
     _stub_downloader()
     _install_deep_ep_emulation()
     cuda._upstream_cpu = True
@@ -281,6 +501,10 @@ def install() -> None:
     compat.install_tensor_parallel_cpu_shim()
     compat.install_dtoh_stream_cpu_shim()
     _destroy_groups_with_model_parallel()
+    if os.environ.get("UPSTREAM_CPU_TE", "") == "local":
+        _te_local_specs()
+    if os.environ.get("UPSTREAM_CPU_FP32_GEMM", "") == "1":
+        Fp32GemmMode().__enter__()
 
 
 install()
@@ -294,8 +518,19 @@ def pytest_configure(config: pytest.Config) -> None:
 _OUTCOMES: Dict[str, Dict[str, Any]] = {}
 
 
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    """A module that fails to collect (e.g. a parametrization that asks the device a question)
+    is reported as one failed entry, named by its file."""
+    if report.failed:
+        _record(report, "collect")
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Append this rank's outcome of each phase to ``$UPSTREAM_CPU_REPORT_DIR/rank<R>.jsonl``."""
+    _record(report, report.when)
+
+
+def _record(report, when: str) -> None:
     out_dir = os.environ.get("UPSTREAM_CPU_REPORT_DIR")
     if not out_dir:
         return
@@ -306,9 +541,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         detail = report.longrepr[2]
     record = dict(
         nodeid=report.nodeid,
-        when=report.when,
+        when=when,
         outcome=report.outcome,
-        duration=round(report.duration, 3),
+        duration=round(getattr(report, "duration", 0.0) or 0.0, 3),
         detail=detail,
     )
     path = Path(out_dir) / f"rank{os.environ.get('RANK', '0')}.jsonl"

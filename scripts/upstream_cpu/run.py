@@ -5,7 +5,8 @@
 Usage (from anywhere; the venv's python)::
 
     python scripts/upstream_cpu/run.py CHECKOUT [--nproc 8] [--timeout 1800] [--json OUT]
-        [--deep-ep-emulation] [--] [PYTEST ARGS...]
+        [--deep-ep-emulation] [--te-local-spec] [--fp32-gemm] [--no-stream-order]
+        [--no-placement] [--] [PYTEST ARGS...]
 
     # e.g. upstream's own MoE dispatcher and layer tests on core_r0.19.0:
     python scripts/upstream_cpu/run.py /tmp/Megatron-LM \\
@@ -19,7 +20,13 @@ node (every rank runs pytest; upstream's ``Utils`` reads ``WORLD_SIZE``, ``RANK`
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), with CHECKOUT first on ``PYTHONPATH`` (its
 ``megatron`` and ``tests`` packages win over an installed megatron-core), ``scripts/`` after it
 (the plugin and the CPU runtime), no visible GPU, one thread per rank and a free port. The
-plugin (:mod:`upstream_cpu.plugin`) maps CUDA to the host and NCCL to gloo. N defaults to 8,
+plugin (:mod:`upstream_cpu.plugin`) runs the ranks under the CPU runtime's placement rules
+(CUDA's rules on host tensors; ``--no-stream-order``: without their stream-ordering check;
+``--no-placement``: the plugin's plain CUDA-to-host mapping)
+and maps NCCL to gloo; ``--deep-ep-emulation`` registers the CPU deep_ep kernels,
+``--te-local-spec`` runs the tests that need Transformer Engine only for its modules on
+megatron-core's local ones, ``--fp32-gemm`` runs bf16/fp16 GEMMs in float32 (rounded once, as
+tensor cores accumulate). N defaults to 8,
 the GPUs of upstream's runners, which its parametrizations (TP 8, EP 8, TP 4 x EP 2) assume.
 
 Only rank 0's pytest output is shown. Afterwards every test's outcome is aggregated over the
@@ -56,7 +63,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_environment(checkout: Path, report_dir: Path, deep_ep_emulation: bool) -> Dict[str, str]:
+def rank_environment(
+    checkout: Path,
+    report_dir: Path,
+    deep_ep_emulation: bool,
+    placement: bool = True,
+    te_local_spec: bool = False,
+    fp32_gemm: bool = False,
+    stream_order: bool = True,
+) -> Dict[str, str]:
     """The environment every rank inherits from the launcher."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
@@ -69,9 +84,18 @@ def rank_environment(checkout: Path, report_dir: Path, deep_ep_emulation: bool) 
         OMP_NUM_THREADS="1",
         PYTHONDONTWRITEBYTECODE="1",
         TORCHELASTIC_ERROR_FILE=str(report_dir / "error.json"),
+        UPSTREAM_CPU_PLACEMENT="1" if placement else "0",
+        UPSTREAM_CPU_STREAM_ORDER="1" if stream_order else "0",
     )
+    env.pop("UPSTREAM_CPU_DEEP_EP", None)
+    env.pop("UPSTREAM_CPU_TE", None)
+    env.pop("UPSTREAM_CPU_FP32_GEMM", None)
     if deep_ep_emulation:
         env.update(UPSTREAM_CPU_DEEP_EP="emulation")
+    if te_local_spec:
+        env.update(UPSTREAM_CPU_TE="local")
+    if fp32_gemm:
+        env.update(UPSTREAM_CPU_FP32_GEMM="1")
     return env
 
 
@@ -91,6 +115,8 @@ def launch_command(nproc: int, port: int, pytest_args: List[str]) -> List[str]:
         "upstream_cpu.plugin",
         "-p",
         "no:cacheprovider",
+        # A module that fails to collect is counted (failed) and the others still run.
+        "--continue-on-collection-errors",
         *pytest_args,
     ]
 
@@ -217,6 +243,26 @@ def main(argv: Optional[List[str]] = None) -> int:
         action="store_true",
         help="register this repository's CPU deep_ep emulation (runs the flex-dispatcher tests)",
     )
+    parser.add_argument(
+        "--te-local-spec",
+        action="store_true",
+        help="run tests that need Transformer Engine only for its modules on the local spec",
+    )
+    parser.add_argument(
+        "--fp32-gemm",
+        action="store_true",
+        help="run bf16/fp16 GEMMs in float32, rounded once (fast on a host without native bf16)",
+    )
+    parser.add_argument(
+        "--no-stream-order",
+        action="store_true",
+        help="the placement rules without their stream-ordering check",
+    )
+    parser.add_argument(
+        "--no-placement",
+        action="store_true",
+        help="without the CPU runtime's placement rules (the plain CUDA-to-host mapping)",
+    )
     args, pytest_args = parser.parse_known_args(argv)
     if pytest_args[:1] == ["--"]:
         pytest_args = pytest_args[1:]
@@ -228,7 +274,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="upstream_cpu.") as tmp:
         report_dir = Path(tmp)
-        env = rank_environment(checkout, report_dir, args.deep_ep_emulation)
+        env = rank_environment(
+            checkout,
+            report_dir,
+            args.deep_ep_emulation,
+            placement=not args.no_placement,
+            te_local_spec=args.te_local_spec,
+            fp32_gemm=args.fp32_gemm,
+            stream_order=not args.no_stream_order,
+        )
         cmd = launch_command(args.nproc, free_port(), pytest_args)
         start = time.monotonic()
         rc = run_ranks(cmd, checkout, env, args.timeout)
@@ -236,9 +290,24 @@ def main(argv: Optional[List[str]] = None) -> int:
         tests = aggregate(report_dir, args.nproc)
     summary = summarize(tests)
     print_summary(summary, wall)
+    if not tests:
+        print("  no test reported: the plugin or pytest failed before any test ran (see above)")
     if args.json:
         args.json.write_text(
-            json.dumps(dict(summary, tests=tests, returncode=rc, wall_s=round(wall, 1)), indent=1)
+            json.dumps(
+                dict(
+                    summary,
+                    tests=tests,
+                    returncode=rc,
+                    wall_s=round(wall, 1),
+                    placement=not args.no_placement,
+                    deep_ep_emulation=args.deep_ep_emulation,
+                    te_local_spec=args.te_local_spec,
+                    fp32_gemm=args.fp32_gemm,
+                    stream_order=not args.no_stream_order,
+                ),
+                indent=1,
+            )
         )
     bad = rc is None or any(t["outcome"] in ("failed", "incomplete") for t in tests.values())
     if rc not in (0, None) and not bad and tests:

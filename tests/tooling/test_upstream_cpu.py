@@ -6,7 +6,10 @@ tree (its ``megatron/``), our upstream-layout test files from ``patches/upstream
 stand-in for upstream's ``tests/unit_tests/test_utilities.py`` (``upstream_standin/``: only
 ``Utils``, with upstream's behaviour), and runs a few of those tests through ``run.py`` on 8
 gloo ranks, as upstream's CI runs them on 8 GPUs. That covers the harness (launch, CUDA to host,
-NCCL to gloo, counting over ranks) and our tests' logic against the series; it does not cover
+NCCL to gloo, counting over ranks) and our tests' logic against the series; a small
+upstream-style file (``upstream_standin/standin_placement_wiring.py``) checks that the plugin
+runs tests under the CPU runtime's placement rules (and without them, ``--no-placement``), and
+what ``--te-local-spec``/``--fp32-gemm`` give a test. It does not cover
 upstream's own test files or their ``Utils``. Running upstream's own MoE tests needs a
 Megatron-LM checkout: the ``slow`` case does it when the read-only mirror exists (never on CI),
 on a snapshot of core_r0.19.0 with and without the series.
@@ -27,6 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 RUN = REPO_ROOT / "scripts" / "upstream_cpu" / "run.py"
 UPSTREAM_TESTS = REPO_ROOT / "patches" / "upstream" / "tests"
 STANDIN = Path(__file__).resolve().parent / "upstream_standin" / "standin_test_utilities.py"
+WIRING = Path(__file__).resolve().parent / "upstream_standin" / "standin_placement_wiring.py"
 MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
 MOE = "tests/unit_tests/transformer/moe"
 STATE_RELEASE = f"{MOE}/test_token_dispatcher_state_release.py"
@@ -101,13 +105,106 @@ def standin_checkout(root: Path, tree: Path) -> Path:
     return root
 
 
-def run_harness(checkout: Path, out: Path, *pytest_args: str, timeout: int = 600) -> dict:
-    """``run.py CHECKOUT --json OUT PYTEST_ARGS`` (8 ranks, deep_ep emulation); its JSON."""
+def run_harness(
+    checkout: Path,
+    out: Path,
+    *pytest_args: str,
+    timeout: int = 600,
+    options=("--deep-ep-emulation",),
+) -> dict:
+    """``run.py CHECKOUT --json OUT OPTIONS PYTEST_ARGS`` (8 ranks unless OPTIONS say
+    ``--nproc``; the deep_ep emulation by default); its JSON."""
     cmd = [sys.executable, str(RUN), str(checkout), "--timeout", str(timeout - 60)]
-    cmd += ["--deep-ep-emulation", "--json", str(out), *pytest_args]
+    cmd += [*options, "--json", str(out), *pytest_args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     assert out.exists(), f"no result (exit {done.returncode}):\n{done.stdout[-3000:]}"
     return json.loads(out.read_text())
+
+
+WIRING_TEST = "tests/unit_tests/test_placement_wiring.py"
+
+
+def test_plugin_runs_tests_under_the_placement_rules(tmp_path):
+    """The plugin installs the CPU runtime's placement rules: an upstream-style test calling
+    record_stream on a pinned host tensor (as HybridEP's blocking dispatch returns
+    tokens_per_expert) fails with torch's own error, one on a device tensor passes, mixing
+    device and host fails, and a checkpoint's recompute still reaches the device; with
+    --no-placement (the plain CUDA-to-host mapping) the host takes all of it. --te-local-spec
+    builds an MLA layer on the local spec, on the device; --fp32-gemm rounds bf16 GEMMs once.
+    A module that fails to collect is one failed entry for its file, and the other files still
+    run. One rank each (the tests need no collectives)."""
+    checkout = standin_checkout(tmp_path / "checkout", _tree("MOE_RELEASE_TREE"))
+    shutil.copy(WIRING, checkout / WIRING_TEST)
+    broken = "tests/unit_tests/test_broken.py"
+    (checkout / broken).write_text("import torch\n\nFREE = torch.cuda.mem_get_info()\n")
+    runs = {}
+    for name, options in {
+        "placement": ("--nproc", "1", "--te-local-spec", "--fp32-gemm"),
+        "no-placement": ("--nproc", "1", "--no-placement"),
+    }.items():
+        result = run_harness(
+            checkout, tmp_path / f"{name}.json", WIRING_TEST, broken, timeout=300, options=options
+        )
+        assert result["placement"] == (name == "placement"), result
+        assert result["files"][broken] == {"failed": 1}, result
+        assert result["tests"][broken]["reason"].startswith("rank 0: collect: "), result
+        runs[name] = {n.split("::")[-1]: t for n, t in result["tests"].items() if "::" in n}
+    rules, plain = runs["placement"], runs["no-placement"]
+    outcomes = {name: t["outcome"] for name, t in rules.items()}
+    assert outcomes == {
+        "test_the_device_is_an_h100": "passed",
+        "test_cuda_tensors_are_device_tensors": "passed",
+        "test_record_stream_on_a_device_tensor": "passed",
+        "test_record_stream_on_a_pinned_host_tensor": "failed",
+        "test_device_and_host_tensors_do_not_mix": "failed",
+        "test_a_read_on_another_stream_waits_for_the_write": "failed",
+        "test_a_checkpoint_recompute_moves_to_the_device": "passed",
+        "test_bf16_gemm_rounds_once": "passed",
+        "test_mla_layer_on_the_te_spec": "passed",
+    }, rules
+    record_stream = rules["test_record_stream_on_a_pinned_host_tensor"]["reason"]
+    assert "Could not run 'aten::record_stream' with arguments from the 'CPU' backend" in (
+        record_stream
+    ), record_stream
+    mixing = rules["test_device_and_host_tensors_do_not_mix"]["reason"]
+    assert "Expected all tensors to be on the same device" in mixing, mixing
+    race = rules["test_a_read_on_another_stream_waits_for_the_write"]["reason"]
+    assert "StreamOrderError" in race, race
+    for name in (
+        "test_record_stream_on_a_device_tensor",
+        "test_record_stream_on_a_pinned_host_tensor",
+        "test_device_and_host_tensors_do_not_mix",
+        "test_a_read_on_another_stream_waits_for_the_write",
+        "test_a_checkpoint_recompute_moves_to_the_device",
+        "test_the_device_is_an_h100",
+    ):
+        assert plain[name]["outcome"] == "passed", (name, plain[name])
+    assert plain["test_cuda_tensors_are_device_tensors"]["outcome"] == "failed", plain
+    assert plain["test_mla_layer_on_the_te_spec"]["outcome"] == "skipped", plain
+
+
+@pytest.mark.slow
+def test_no_stream_order_keeps_the_other_placement_rules(tmp_path):
+    """--no-stream-order: the race passes, record_stream on a pinned host tensor and mixing
+    device with host still fail."""
+    checkout = standin_checkout(tmp_path / "checkout", _tree("MOE_RELEASE_TREE"))
+    shutil.copy(WIRING, checkout / WIRING_TEST)
+    result = run_harness(
+        checkout,
+        tmp_path / "out.json",
+        WIRING_TEST,
+        "-k",
+        "stream or mix",
+        timeout=300,
+        options=("--nproc", "1", "--no-stream-order"),
+    )
+    outcomes = {n.split("::")[-1]: t["outcome"] for n, t in result["tests"].items()}
+    assert outcomes == {
+        "test_record_stream_on_a_device_tensor": "passed",
+        "test_record_stream_on_a_pinned_host_tensor": "failed",
+        "test_device_and_host_tensors_do_not_mix": "failed",
+        "test_a_read_on_another_stream_waits_for_the_write": "passed",
+    }, result["tests"]
 
 
 def test_upstream_layout_tests_pass_with_the_series(tmp_path):
