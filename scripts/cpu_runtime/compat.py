@@ -10,11 +10,12 @@ Each kind of help is as narrow as the spot it covers:
   generator (a dedicated ``torch.Generator``), set synchronously. A runtime stand-in, not a patch:
   upstream's checkpointing is CUDA-RNG by design and a host generator there would change what
   production code saves.
-* :func:`install_base_tree_shims` covers, only where the tree still needs it (the pristine
-  base; patch 1 fixes both at the source), ``_HybridEPManager.over_budget`` allocated with
-  ``device='cuda'`` and ``Router.gating`` moving host weights to
-  ``torch.cuda.current_device()``; on megatron-core 0.16, ``moe_utils.te_general_gemm``, which
-  is undefined without Transformer Engine.
+* :func:`install_base_tree_shims` covers, on megatron-core 0.16 without patch 1,
+  ``moe_utils.te_general_gemm``, which is undefined without Transformer Engine; and, only when
+  the placement rules are off (``MOE_RELEASE_PLACEMENT=0``: there is no emulated GPU then),
+  ``_HybridEPManager.over_budget`` allocated with ``device='cuda'`` and ``Router.gating`` moving
+  host weights to ``torch.cuda.current_device()``. Under the rules both are what they are on a
+  GPU: a device tensor and device 0.
 * :func:`install_dtoh_stream_cpu_shim` runs the all-to-all dispatcher's dropless path and the
   shared-expert overlap: a host stand-in for their side streams and events
   (:class:`HostStream`), with split sizes arriving as numpy arrays as they do from a GPU.
@@ -125,11 +126,11 @@ def host_zeros(*args, device=None, **kwargs) -> torch.Tensor:
 
 
 def install_base_tree_shims() -> list:
-    """Cover the spots patch 1 fixes, only when the tree lacks the fix: the two CUDA-only ones
-    and, on megatron-core 0.16, ``moe_utils.te_general_gemm`` left undefined without
-    Transformer Engine (the router's gating linear reads it; patch 1 makes it None there).
+    """On megatron-core 0.16 without patch 1, ``moe_utils.te_general_gemm`` left undefined
+    without Transformer Engine (the router's gating linear reads it; patch 1 makes it None
+    there); without the placement rules, the two CUDA-only allocations of the dispatcher path.
 
-    Returns the names of the shims installed (empty on the patched tree).
+    Returns the names of the shims installed.
     """
     installed = []
     from megatron.core.transformer.moe import moe_utils
@@ -137,7 +138,7 @@ def install_base_tree_shims() -> list:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
         installed.append("te_general_gemm")
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() or placement.active():
         return installed
     if _needs_over_budget_shim():
         from megatron.core.transformer.moe import token_dispatcher

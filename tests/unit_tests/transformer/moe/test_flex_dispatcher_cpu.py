@@ -62,14 +62,18 @@ def test_cpu_rng_shim_recomputes_dropout_bitwise(dist_job, patched_tree):
     assert not failed, failed
 
 
-def test_no_base_shims_on_patched_tree(dist_job, patched_tree):
+def test_no_cuda_shims_under_the_placement_rules(dist_job, patched_tree):
+    """Under the rules the dispatcher path's CUDA-only allocations are the emulated GPU's: no
+    shim is installed for them."""
     results = dist_job(JOB, 1, patched_tree, tree_kind="patched")
     _, failed = _failures(results, "compat-patched-")
     assert not failed, failed
 
 
-def test_base_tree_runs_with_narrow_shims(dist_job, base_tree):
-    """On the pristine base the over_budget and router-device shims are needed and suffice."""
+def test_base_tree_runs_with_narrow_shims(dist_job, base_tree, monkeypatch):
+    """Without the placement rules (``MOE_RELEASE_PLACEMENT=0``) the over_budget and
+    router-device shims are installed, and the pristine base's layers run with them."""
+    monkeypatch.setenv("MOE_RELEASE_PLACEMENT", "0")
     results = dist_job(JOB, 2, base_tree, tree_kind="base")
     _, failed = _failures(results, "compat-base-")
     assert not failed, failed
