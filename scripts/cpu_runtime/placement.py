@@ -377,6 +377,40 @@ def _written(tensor: torch.Tensor, func) -> torch.Tensor:
     return tensor
 
 
+def _storage_key(tensor: torch.Tensor):
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _writes(func, args, kwargs, inputs, out) -> list:
+    """The tensors a device op writes: its in-place target and ``out=`` tensors, and each output
+    with storage of its own. An output on an input's storage (a view, ``contiguous()`` of a
+    contiguous tensor, an autograd Function returning its input) is an alias made without a
+    kernel: it writes nothing, so it must not look written on the current stream."""
+    written = []
+    if args and _in_place(func) and isinstance(args[0], torch.Tensor):
+        written.append(args[0])
+    written.extend(_tensors((kwargs.get("out"),)))
+    aliased = {_storage_key(t) for t in inputs}
+    for t in _tensors(out if isinstance(out, (list, tuple)) else (out,)):
+        if _storage_key(t) not in aliased:
+            written.append(t)
+    return written
+
+
+def _aliases_only(func, args, kwargs, inputs, out) -> bool:
+    """Whether an op made only aliases of its inputs (views, ``contiguous()`` of a contiguous
+    tensor, ``Function.apply`` returning its input): no kernel ran, nothing was read or
+    written. In-place and ``out=`` ops write, and are never alias-only."""
+    if _in_place(func) or kwargs.get("out") is not None:
+        return False
+    outs = list(_tensors(out if isinstance(out, (list, tuple)) else (out,)))
+    aliased = {_storage_key(t) for t in inputs}
+    return bool(outs) and all(_storage_key(t) in aliased for t in outs)
+
+
 def _check_read(tensor: torch.Tensor, reader, func) -> None:
     """Refuse a read of ``tensor`` by ``reader`` (a stream; None for the host) that CUDA
     would not order after the tensor's last write on another stream."""
@@ -651,20 +685,19 @@ class PlacementMode(TorchFunctionMode):
             ]
             if host:
                 raise _mismatch(func, host)
-        reads_data = func not in _NO_DATA
         # A device op runs on the current stream; a host op on the host, at once.
         reader = HOST_STREAMS.current if on_device else None
-        if reads_data:
+        out = func(*args, **kwargs)
+        # Checked after the call (the host runs it at once, so the order cannot matter here):
+        # whether the op launched a kernel shows in its outputs. A view, or an autograd Function
+        # returning its input, makes aliases only and neither reads nor writes data on a GPU.
+        if func not in _NO_DATA and not _aliases_only(func, args, kwargs, inputs, out):
             for t in inputs:
                 _check_read(t, reader, func)
-        out = func(*args, **kwargs)
+            if on_device:
+                _stamp(_writes(func, args, kwargs, inputs, out))
         if not on_device:
             self._inherit(out, inputs)
-        elif reads_data:
-            written = list(_tensors(out if isinstance(out, (list, tuple)) else (out,)))
-            if args and _in_place(func) and isinstance(args[0], torch.Tensor):
-                written.append(args[0])
-            _stamp(written)
         return out
 
     @staticmethod
@@ -726,7 +759,31 @@ def _cuda_stand_ins() -> dict:
         "stream": HOST_STREAMS.stream,
         "Stream": HostStream,
         "Event": HostEvent,
+        "memory_allocated": _memory_stat("memory_allocated"),
+        "max_memory_allocated": _memory_stat("max_memory_allocated"),
+        "reset_peak_memory_stats": _memory_stat("reset_peak_memory_stats"),
     }
+
+
+def _memory_stat(name: str):
+    """``torch.cuda.<name>`` of the emulated GPU: the counting host allocator's figure
+    (cpu_runtime.cpu_memory, every CPU tensor storage since its install). Refused while no
+    counter is installed: without a CUDA context torch answers 0, and a memory figure of 0 that
+    a GPU would not print hides a missing measurement."""
+
+    def stand_in(device=None):
+        from cpu_runtime import cpu_memory
+
+        if not cpu_memory.installed():
+            raise RuntimeError(
+                f"CPU runtime: torch.cuda.{name}() of the emulated GPU needs the counting host "
+                "allocator; call cpu_runtime.cpu_memory.install() before allocating what is "
+                "measured"
+            )
+        return getattr(cpu_memory, name)()
+
+    stand_in.__name__ = name
+    return stand_in
 
 
 @contextlib.contextmanager

@@ -159,6 +159,51 @@ def test_a_read_on_another_stream_without_a_wait_is_a_race(rules):
     again.sum()
 
 
+class _Identity(torch.autograd.Function):
+    """What megatron's copy_to_tensor_model_parallel_region is at TP=1: the input, as is."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_an_alias_made_on_another_stream_writes_nothing(rules):
+    """A view, or an autograd Function that returns its input (the shared experts' overlap at
+    TP=1), launches no kernel: it neither reads nor writes, on whichever stream it is made. A
+    kernel reading the alias, or a write through it, still races."""
+    x = torch.ones(16, 16, device="cuda") * 1
+    side = HostStream(name="side")
+    side.wait_stream(HOST_STREAMS.current)
+    with HOST_STREAMS.stream(side):
+        _Identity.apply(x)
+        view = x.view(-1)
+        x.contiguous()
+    x.index_select(0, torch.arange(3, device="cuda"))
+    # The other way round (the shared experts' _BackwardStreamWait): a tensor written on the
+    # side stream, aliased on the default stream, read again only on the side stream.
+    with HOST_STREAMS.stream(side):
+        made = x * 2
+    alias = _Identity.apply(made).view_as(made)
+    with pytest.raises(pl.StreamOrderError, match="written on stream 'side'"):
+        alias + 1
+    with HOST_STREAMS.stream(side):
+        view.mul_(2)
+    with pytest.raises(pl.StreamOrderError, match="written on stream 'side'"):
+        x.sum()
+    with HOST_STREAMS.stream(side):
+        torch.add(x, 1, out=view.view(16, 16))
+    HOST_STREAMS.current.wait_stream(side)
+    x.sum()
+    with HOST_STREAMS.stream(side):
+        torch.mul(x, 1, out=view.view(16, 16))
+    with pytest.raises(pl.StreamOrderError, match="written on stream 'side'"):
+        x.sum()
+
+
 def test_a_host_read_of_a_pending_copy_is_a_race(rules):
     """A non-blocking device-to-host copy lands later: reading it on the host before an event
     or stream synchronize is a race on a GPU (the DtoH-stream pattern)."""
@@ -207,3 +252,20 @@ def test_every_form_of_tensor_to(rules):
     module = torch.nn.Linear(2, 2, device="cpu").to(torch.device("cuda"))
     assert module.weight.is_cuda
     assert torch.nn.Linear(2, 2).weight.is_cuda  # kaiming_uniform_ reaches the mode by keyword
+
+
+def test_cuda_memory_stats_come_from_the_counting_allocator(rules, monkeypatch):
+    """torch.cuda.memory_allocated of the emulated GPU is the counting host allocator's figure;
+    without that counter it is refused (torch would answer 0 without a CUDA context)."""
+    from cpu_runtime import cpu_memory
+
+    cpu_memory.install()
+    before = torch.cuda.memory_allocated()
+    block = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    assert torch.cuda.memory_allocated() - before == 1 << 20
+    torch.cuda.reset_peak_memory_stats()
+    del block
+    assert torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated() == 1 << 20
+    monkeypatch.setattr(cpu_memory, "installed", lambda: False)
+    with pytest.raises(RuntimeError, match="needs the counting host allocator"):
+        torch.cuda.memory_allocated()
