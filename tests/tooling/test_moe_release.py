@@ -115,15 +115,15 @@ def test_pins_hold_primary_and_backport_bases(pins):
 def test_apply_file_patch_names_patch_file_and_hunk(base_files):
     data = series_patches(REPO_ROOT)[0].read_bytes()
     patch = parse_patch(data, "p.patch")
-    fp = next(f for f in patch.files if f.path.endswith("router.py"))
+    fp = next(f for f in patch.files if f.path.endswith("paged_stash.py"))
     old = base_files[fp.path]
     assert apply_file_patch(old, fp, "p.patch") != old
-    broken = old.replace(b"# move weights to GPU", b"# moved weights to GPU")
+    broken = old.replace(b"import FullCudaGraphWrapper\n", b"import FullCudaGraphWrappers\n")
     with pytest.raises(UserError) as err:
         apply_file_patch(broken, fp, "p.patch")
     msg = str(err.value)
-    assert "p.patch: hunk #1 (@@ -" in msg and "megatron/core/transformer/moe/router.py" in msg
-    assert "does not apply: line" in msg and "moved weights" in msg
+    assert "p.patch: hunk #1 (@@ -" in msg and "megatron/core/transformer/moe/paged_stash.py" in msg
+    assert "does not apply: line" in msg and "FullCudaGraphWrappers" in msg
     with pytest.raises(UserError, match="which does not exist"):
         apply_file_patch(None, fp, "p.patch")
 
@@ -172,7 +172,7 @@ def test_materialize_writes_complete_stamped_tree(tmp_path, repo, base_files):
     for rel in base_files:
         assert (dest / rel).is_file(), rel
     assert set(tree.touched) >= {
-        "megatron/core/transformer/moe/router.py",
+        "megatron/core/transformer/moe/paged_stash.py",
         "megatron/core/transformer/moe/token_dispatcher.py",
     }
     for rel in tree.touched:
@@ -221,9 +221,10 @@ def test_materialize_into_empty_dir(tmp_path, repo):
 def test_patch_that_does_not_apply_leaves_nothing(tmp_path, repo):
     patch = series_patches(repo)[0]
     data = patch.read_bytes()
-    # Change one context line of the router.py hunk: the patch no longer matches the base.
+    # Change one context line of the paged_stash.py hunk: the patch no longer matches the base.
     data = data.replace(
-        b"             torch.Tensor: Logits tensor.", b"             torch.Tensor: Logits!"
+        b" from megatron.core.full_cuda_graph import FullCudaGraphWrapper\n",
+        b" from megatron.core.full_cuda_graph import FullCudaGraphWrappers\n",
     )
     patch.write_bytes(data)
     dest = tmp_path / "tree"
@@ -231,7 +232,7 @@ def test_patch_that_does_not_apply_leaves_nothing(tmp_path, repo):
         materialize(dest, root=repo)
     msg = str(err.value)
     assert msg.startswith(f"{patch.name}: hunk #1 (@@ ")
-    assert "of megatron/core/transformer/moe/router.py does not apply" in msg
+    assert "of megatron/core/transformer/moe/paged_stash.py does not apply" in msg
     assert not dest.exists() and leftovers(tmp_path) == []
 
 
@@ -370,7 +371,11 @@ def test_export_refuses_dirty_tree_and_foreign_repo(tmp_path, repo, base, base_f
 
 def test_edit_names_the_patch_that_does_not_apply(tmp_path, repo, base, base_files):
     patch = series_patches(repo)[0]
-    patch.write_bytes(patch.read_bytes().replace(b"Logits tensor.", b"Logits!"))
+    patch.write_bytes(
+        patch.read_bytes().replace(
+            b"import FullCudaGraphWrapper\n", b"import FullCudaGraphWrappers\n"
+        )
+    )
     patches = [(p.name, p.read_bytes()) for p in series_patches(repo)]
     with pytest.raises(UserError, match=f"{patch.name}: does not apply to megatron-core 0.19.2"):
         create_edit_repo(tmp_path / "edit", base, base_files, patches)
@@ -429,10 +434,10 @@ def test_verify_detects_replaced_files(tmp_path, repo):
     assert verify_installed(core, "0.19.2", tree) == [
         f"installed distribution is megatron-core 0.19.2, expected {tree.version}"
     ]
-    router = core / "transformer/moe/router.py"
-    router.write_text(router.read_text() + "# changed\n")
+    dispatcher = core / "transformer/moe/token_dispatcher.py"
+    dispatcher.write_text(dispatcher.read_text() + "# changed\n")
     assert verify_installed(core, tree.version, tree) == [
-        "megatron/core/transformer/moe/router.py: differs from the series"
+        "megatron/core/transformer/moe/token_dispatcher.py: differs from the series"
     ]
 
 
@@ -501,8 +506,8 @@ def test_trees_are_made_once_per_label_and_stale_ones_removed(repo):
     assert ensure_trees(root=repo) == (base, patched)
     assert info.stat().st_mtime_ns == before
     # The base tree carries the new modules but none of the series.
-    router = "megatron/core/transformer/moe/router.py"
-    assert (base / router).read_bytes() != (patched / router).read_bytes()
+    dispatcher = "megatron/core/transformer/moe/token_dispatcher.py"
+    assert (base / dispatcher).read_bytes() != (patched / dispatcher).read_bytes()
 
 
 # ----------------------------------------------------------------------------- bad inputs
