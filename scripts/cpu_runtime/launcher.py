@@ -14,6 +14,7 @@ then see the GPUs, each takes ``LOCAL_RANK % device_count`` (ranks may share one
 NCCL needs one GPU per rank).
 """
 
+import atexit
 import faulthandler
 import os
 import pickle
@@ -125,14 +126,20 @@ def run_distributed(
         }
         (job / "spec.pkl").write_bytes(pickle.dumps(spec))
         procs, logs = [], []
+        zygote = _zygote(tree, spec) if device == "cpu" and not torch_compile else None
         try:
             for rank in range(world_size):
+                env = rank_env(tree, rank, world_size, port, torch_compile, device)
+                forked = zygote.fork(job, rank, env) if zygote is not None else None
+                if forked is not None:
+                    procs.append(forked)
+                    continue
                 log = open(job / f"rank{rank}.log", "w+b")
                 logs.append(log)
                 procs.append(
                     subprocess.Popen(
                         [sys.executable, "-m", "cpu_runtime.launcher", str(job)],
-                        env=rank_env(tree, rank, world_size, port, torch_compile, device),
+                        env=env,
                         cwd=str(REPO_ROOT),
                         stdout=log,
                         stderr=subprocess.STDOUT,
@@ -165,6 +172,128 @@ def run_distributed(
         return results
 
 
+# Set per rank (and by pytest per test); a zygote serves every job whose ranks' environments
+# agree on all other variables (cpu_runtime.zygote). A rank gets its full environment.
+_PER_RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "PYTEST_CURRENT_TEST")
+_ZYGOTES: Dict[tuple, "_Zygote"] = {}
+_MAX_ZYGOTES = 4
+
+
+def fork_server_enabled() -> bool:
+    """``MOE_RELEASE_FORK`` (default on): ``0`` starts every CPU rank as a fresh interpreter
+    instead of forking it from a zygote that has imported torch and megatron-core."""
+    return os.environ.get("MOE_RELEASE_FORK", "1") != "0"
+
+
+class _ForkedRank:
+    """A rank forked by the zygote: the Popen calls the launcher uses, read from the exit file
+    the zygote writes (the rank is the zygote's child, not ours)."""
+
+    def __init__(self, pid: int, exit_file: Path):
+        self.pid = pid
+        self.exit_file = exit_file
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None and self.exit_file.exists():
+            self.returncode = int(self.exit_file.read_text())
+        if self.returncode is None and not _pid_alive(self.pid):
+            self.returncode = -signal.SIGKILL  # its zygote is gone: nobody reaped it
+        return self.returncode
+
+    def wait(self, timeout: float = 30.0) -> Optional[int]:
+        end = time.monotonic() + timeout
+        while self.poll() is None and time.monotonic() < end:
+            time.sleep(0.02)
+        return self.returncode
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _Zygote:
+    """One fork server (cpu_runtime.zygote) for ranks of one tree and rank setup."""
+
+    def __init__(self, env: Dict[str, str], spec: Dict[str, Any]):
+        import json
+
+        self._log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cpu_runtime.zygote", json.dumps(spec)],
+            env=env,
+            cwd=str(REPO_ROOT),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            start_new_session=True,
+        )
+        self.ready = self.proc.stdout.readline().strip() == "ready"
+
+    def fork(self, job: Path, rank: int, env: Dict[str, str]) -> Optional[_ForkedRank]:
+        """Fork rank ``rank`` of ``job``; None if the zygote is gone (the caller spawns)."""
+        import json
+
+        if not self.ready or self.proc.poll() is not None:
+            return None
+        try:
+            self.proc.stdin.write(f"{job} {rank} {json.dumps(env)}\n")
+            self.proc.stdin.flush()
+            pid = int(self.proc.stdout.readline())
+        except (BrokenPipeError, ValueError):
+            self.ready = False
+            return None
+        return _ForkedRank(pid, job / f"rank{rank}.exit")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                _kill(self.proc)
+        self._log.close()
+
+
+def _zygote(tree: str, spec: Dict[str, Any]) -> Optional[_Zygote]:
+    """The zygote for ``tree`` and this job's rank setup and environment (started on first
+    use, kept for the process), or None where ranks are spawned fresh."""
+    if not fork_server_enabled():
+        return None
+    env = rank_env(tree, 0, 1, 0)
+    setup = {k: spec[k] for k in ("emulate_deep_ep", "force_emulation")}
+    setup["placement"] = spec["placement"]
+    key = (tree, tuple(sorted(setup.items())), tuple(sorted(
+        (k, v) for k, v in env.items() if k not in _PER_RANK_ENV
+    )))  # fmt: skip
+    zygote = _ZYGOTES.pop(key, None)
+    if zygote is None or not zygote.ready or zygote.proc.poll() is not None:
+        if zygote is not None:
+            zygote.close()
+        while len(_ZYGOTES) >= _MAX_ZYGOTES:  # the least recently used goes (~0.7 GB each)
+            _ZYGOTES.pop(next(iter(_ZYGOTES))).close()
+        zygote = _Zygote(env, setup)
+    _ZYGOTES[key] = zygote  # most recently used last
+    return zygote
+
+
+@atexit.register
+def close_zygotes() -> None:
+    """Stop every zygote of this process (their running ranks die with them)."""
+    while _ZYGOTES:
+        _ZYGOTES.popitem()[1].close()
+
+
 def placement_rules_enabled() -> bool:
     """``MOE_RELEASE_PLACEMENT`` (default on): ``0`` spawns CPU ranks without the placement
     rules of :mod:`cpu_runtime.placement` (to tell a rule's failure from the code's)."""
@@ -195,12 +324,16 @@ def _wait_all(procs: List[subprocess.Popen], deadline: float) -> Optional[str]:
         time.sleep(0.05)
 
 
-def _kill(p: subprocess.Popen) -> None:
+def _kill(p) -> None:
     if p.poll() is None:
         try:
             os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
-            pass
+            # A forked rank killed before its setsid(): its group is still the zygote's.
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     p.wait()
 
 

@@ -50,8 +50,16 @@ CONFIGS = [
     ("allgather", None, 2),
     ("allgather", None, 4),
 ]
-# Behind the `slow` marker (run with `scripts/run-tests -m slow`): each has an EP2 case by default.
-SLOW_CONFIGS = {("alltoall", "dropless", 4), ("allgather", None, 4)}
+# Behind the `slow` marker (run with `scripts/run-tests -m slow`): each has an EP2 case by default
+# (EP1 of the all-to-all dispatcher runs drop-and-pad, HybridEP keeps its EP4 case).
+SLOW_CONFIGS = {
+    ("flex", "hybridep", 1),
+    ("flex", "deepep", 4),
+    ("alltoall", "dropless", 1),
+    ("alltoall", "dropless", 4),
+    ("allgather", None, 1),
+    ("allgather", None, 4),
+}
 
 
 def _params(configs, slow=SLOW_CONFIGS, tp=False):

@@ -1,0 +1,83 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""The rank launcher's fork server (cpu_runtime.zygote): a forked rank is what a spawned one is.
+
+Each job's ranks start from the zygote's state, never from an earlier job's; they see the same
+modules, deep_ep and rules as a fresh interpreter; a failing or hung rank is reported and
+killed as a spawned one is, and no rank outlives its call.
+"""
+
+import os
+
+import pytest
+
+from cpu_runtime import launcher
+from cpu_runtime.launcher import DistributedTestError, run_distributed
+
+THIS = "tests.unit_tests.test_launcher"
+_STATE = {}
+
+
+def rank_state(mark: str) -> dict:
+    """What a rank sees at its start, then leave a mark for a next job to find."""
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    from cpu_runtime import placement
+
+    seen = dict(_STATE)
+    _STATE["mark"] = mark
+    return {
+        "rank": dist.get_rank(),
+        "pid": os.getpid(),
+        "earlier_mark": seen.get("mark"),
+        "deep_ep_emulated": sys.modules["deep_ep"].utils.IS_CPU_EMULATION,
+        "placement": placement.active(),
+        "cuda_tensor": torch.ones(1, device="cuda").is_cuda if placement.active() else None,
+        "threads": torch.get_num_threads(),
+        "env_rank": os.environ["RANK"],
+    }
+
+
+def rank_hang(pid_dir: str) -> None:
+    import time
+
+    import torch.distributed as dist
+
+    open(os.path.join(pid_dir, f"{dist.get_rank()}.pid"), "w").write(str(os.getpid()))
+    time.sleep(300)
+
+
+def _state(tree, mark, monkeypatch, fork):
+    monkeypatch.setenv("MOE_RELEASE_FORK", "1" if fork else "0")
+    return run_distributed(f"{THIS}:rank_state", 2, tree, {"mark": mark}, timeout=120)
+
+
+def test_forked_ranks_start_fresh_and_match_spawned_ones(patched_tree, monkeypatch):
+    spawned = _state(patched_tree, "spawned", monkeypatch, fork=False)
+    first = _state(patched_tree, "first", monkeypatch, fork=True)
+    second = _state(patched_tree, "second", monkeypatch, fork=True)
+    for results in (spawned, first, second):
+        assert [r["rank"] for r in results] == [0, 1]
+        assert [r["env_rank"] for r in results] == ["0", "1"]
+        assert all(r["earlier_mark"] is None for r in results), results
+    drop = ("pid",)
+    view = [{k: v for k, v in r.items() if k not in drop} for r in spawned]
+    assert [{k: v for k, v in r.items() if k not in drop} for r in second] == view
+    assert view[0]["placement"] and view[0]["cuda_tensor"] and view[0]["deep_ep_emulated"]
+    assert {r["pid"] for r in first}.isdisjoint(r["pid"] for r in second)
+
+
+def test_a_hung_forked_rank_is_killed(patched_tree, monkeypatch, tmp_path):
+    monkeypatch.setenv("MOE_RELEASE_FORK", "1")
+    with pytest.raises(DistributedTestError, match="timed out after 5s") as err:
+        run_distributed(f"{THIS}:rank_hang", 2, patched_tree, {"pid_dir": str(tmp_path)}, timeout=5)
+    assert "exit code -9" in str(err.value)
+    for rank in (0, 1):
+        assert not launcher._pid_alive(int((tmp_path / f"{rank}.pid").read_text()))
+    zygotes = list(launcher._ZYGOTES.values())
+    assert zygotes and all(z.proc.poll() is None for z in zygotes)
+    # The killed ranks are gone (reaped by their zygote), the zygote serves the next job.
+    assert [r["rank"] for r in _state(patched_tree, "after", monkeypatch, fork=True)] == [0, 1]
