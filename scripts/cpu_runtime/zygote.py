@@ -51,6 +51,11 @@ def _prepare(spec: dict) -> None:
         from cpu_runtime import placement
 
         placement.install()
+    preload()
+
+
+def preload() -> None:
+    """Import :data:`PRELOAD` (what is already imported stays as it is)."""
     import importlib
 
     for name in PRELOAD:

@@ -57,9 +57,13 @@ class AllocatorClock:
         if device.type == "cuda":
             self.mem = torch.cuda
         else:
-            from cpu_runtime import cpu_memory
+            from cpu_runtime import cpu_memory, zygote
             from megatron.core.transformer.moe import moe_memory_probe
 
+            # What megatron-core allocates on import is not the step's: the modules a forked
+            # rank has imported already (cpu_runtime.zygote) are imported before counting
+            # starts in a spawned rank too, so both count the same bytes.
+            zygote.preload()
             cpu_memory.install()
             moe_memory_probe.set_host_allocated_bytes(cpu_memory.memory_allocated)
             self.mem = cpu_memory
