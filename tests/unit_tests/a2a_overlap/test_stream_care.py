@@ -20,8 +20,6 @@ import pytest
 from cpu_runtime.launcher import REPO_ROOT, SCRIPTS
 
 SETUP = """
-import types
-
 import torch
 from cpu_runtime.compat import install_dtoh_stream_cpu_shim
 from cpu_runtime.host_streams import HOST_STREAMS, HostStream
@@ -70,10 +68,7 @@ CASES = {
         """,
     "alltoall": """
         d = object.__new__(td.MoEAlltoAllTokenDispatcher)
-        # No CUDA graph: where a captured preprocess would not restore probs (core_r0.18.0 and
-        # older), the release reads the config (cuda_graph_scope before 0.18) to keep probs;
-        # here everything is dropped.
-        d.config = types.SimpleNamespace(cuda_graph_modules=[], cuda_graph_scope=[])
+        d.valid_cudagraph_attrs = None  # no captured preprocess: everything is dropped
         check(d, ["probs", "routing_map", "reversed_local_input_permutation_mapping",
                   "tokens_per_expert", "num_out_tokens", "input_splits", "output_splits",
                   "output_splits_tp", "num_global_tokens_per_local_expert"])
