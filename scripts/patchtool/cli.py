@@ -43,6 +43,7 @@ from .sdist import fetch_sdist
 from .source import CHECKOUT_ENV, available, not_configured, read_base_files
 from .trees import MANIFEST_PATH, check_target_dir, ensure_trees, load_tree, materialize
 from .upstream import (
+    TOPICS,
     check_checkout_dir,
     check_export,
     export_upstream,
@@ -340,8 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("outdir", metavar="OUTDIR", help="target directory (absent or empty)")
     p.add_argument("--check", metavar="CHECKOUT", help="git am the export onto a clone of it")
     p.add_argument("--ref", help="ref of CHECKOUT to apply to (default: TARGET)")
-    p.add_argument("--topic", default="memory", choices=("memory", "cpu-import"),
-                   help="which PR: the memory release (default) or the CPU-import fix")  # fmt: skip
+    p.add_argument("--topic", default="memory", choices=TOPICS,
+                   help="which PR: dispatcher-state, a2a-overlap, comm-buffers (one per "
+                   "code-owner area), cpu-import, or memory (the first three as one series, "
+                   "the default)")  # fmt: skip
     p.set_defaults(func=_cmd_upstream)
     p = sub.add_parser(
         "port",

@@ -35,13 +35,33 @@ VARIANTS_DIR = REPO_ROOT / "patches" / "upstream"
 # Release branches: the backport series of the pinned base whose `branch` this is.
 BACKPORT_TARGETS = ("core_r0.18.0", "core_r0.17.0", "core_r0.16.0")
 OVERLAY_TRAILERS = ("Forwarded", "Applied-Upstream", "Origin", "Backport-Of", "Signed-off-by")
-# Upstream takes separate topics as separate PRs: the CPU-import fix is one, the memory release
-# (every other patch; none depends on it) another.
-TOPICS = ("memory", "cpu-import")
+# Upstream takes one PR per code-owner area: the dispatcher-state release (token_dispatcher.py),
+# the A2A-overlap state (the 1F1B schedule plan and its nodes) and the communication-buffer
+# lifecycle (fused_a2a.py, parallel_state.py); the CPU-import fix is its own. ``memory`` is the
+# first three as one series, in series order. A topic is chosen by the primary subject's words.
+PR_TOPICS = {
+    "dispatcher-state": ("dispatcher state after combine",),
+    "a2a-overlap": ("A2A overlap: ",),
+    "comm-buffers": ("HybridEP and DeepEP buffers", "HybridEP buffer when", "old DeepEP buffer"),
+}
+TOPICS = ("memory", *PR_TOPICS, "cpu-import")
+# The upstream-layout tests each PR adds (files under patches/upstream/tests, by their name), and
+# the message of the patch that adds them: patches/upstream/tests-message-<topic>.txt.
+TOPIC_TESTS = {
+    "dispatcher-state": ("test_token_dispatcher_state_release.py",),
+    "a2a-overlap": (),
+    "comm-buffers": ("test_fused_a2a_release_comm_buffers.py",),
+}
+# A paragraph of a series message that starts so is the overlay's own evidence (commands of this
+# repository); the export, whose reader has only Megatron-LM, leaves it out.
+OVERLAY_PARAGRAPH = "moe-release: "
 # The CPU-import fix's subject, as the primary series and (inside `cp: `...``) the backports
 # spell it.
 CPU_IMPORT_TITLE = "et the MoE dispatcher path import and build without CUDA"
 PLACEHOLDER_EMAILS = ("maintainers@moe-release.invalid",)
+# Upstream's dev branch titles its PRs "[Dev] ..."; the variant's series keeps the primary's
+# subjects (its file names come from them), the export adds the prefix.
+DEV_PREFIX = {"dev": "[Dev] "}
 # Files added to upstream as they are (upstream-layout tests), and the message of the patch that
 # adds them at the end of the memory topic (first line: its subject).
 UPSTREAM_FILES_DIR = "patches/upstream"
@@ -83,19 +103,37 @@ def upstream_message(patch: Patch, name: str, email: str) -> str:
     trailer = re.compile("^(" + "|".join(OVERLAY_TRAILERS) + "): ")
     while lines and (trailer.match(lines[-1]) or not lines[-1].strip()):
         lines.pop()
-    return "\n".join(lines) + f"\n\nSigned-off-by: {name} <{email}>\n"
+    paragraphs = "\n".join(lines).split("\n\n")
+    kept = [p for p in paragraphs if not p.startswith(OVERLAY_PARAGRAPH)]
+    return "\n\n".join(kept) + f"\n\nSigned-off-by: {name} <{email}>\n"
 
 
 def _slug(subject: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", subject).strip("-")[:52].rstrip("-")
 
 
+def patch_topic(patch: Patch) -> str:
+    """The PR a patch belongs to (a key of :data:`PR_TOPICS`, or ``cpu-import``), by its
+    subject; a patch no topic claims is an error naming it."""
+    if CPU_IMPORT_TITLE in patch.subject:
+        return "cpu-import"
+    for topic, words in PR_TOPICS.items():
+        if any(w in patch.subject for w in words):
+            return topic
+    raise UserError(f"{patch.name}: belongs to no upstream topic ({', '.join(TOPICS)})")
+
+
 def topic_series(series: list[tuple[str, bytes]], topic: str) -> list[tuple[str, bytes]]:
-    """The patches of one upstream PR: ``cpu-import`` or ``memory`` (all the others)."""
+    """The patches of one upstream PR (a key of :data:`PR_TOPICS`, or ``cpu-import``), or of
+    ``memory``: the three PRs' patches together."""
     if topic not in TOPICS:
         raise UserError(f"unknown topic {topic!r} (one of {', '.join(TOPICS)})")
-    cpu = [(n, d) for n, d in series if CPU_IMPORT_TITLE in parse_patch(d, n).subject]
-    return cpu if topic == "cpu-import" else [item for item in series if item not in cpu]
+    out = []
+    for name, data in series:
+        mine = patch_topic(parse_patch(data, name))
+        if mine == topic or (topic == "memory" and mine != "cpu-import"):
+            out.append((name, data))
+    return out
 
 
 def target_series(target: str, root: Path = REPO_ROOT) -> list[tuple[str, bytes]]:
@@ -150,12 +188,26 @@ def new_files_diff(files: dict[str, bytes]) -> bytes:
     return "".join(out).encode()
 
 
-def _tests_patch(date: str, root: Path = REPO_ROOT) -> Optional[tuple[str, str, bytes]]:
-    """(subject, message, diff) of the patch adding the upstream-layout tests, or None."""
+def _tests_patch(topic: str, root: Path = REPO_ROOT) -> Optional[tuple[str, str, bytes]]:
+    """(subject, message, diff) of the patch adding ``topic``'s upstream-layout tests (all of
+    them for ``memory``), or None."""
     files = upstream_test_files(root)
+    if topic == "cpu-import":
+        return None
+    if topic != "memory":
+        names = TOPIC_TESTS[topic]
+        files = {p: d for p, d in files.items() if p.rsplit("/", 1)[-1] in names}
+        missing = set(names) - {p.rsplit("/", 1)[-1] for p in files}
+        if missing:
+            raise UserError(f"{UPSTREAM_FILES_DIR}/tests: no {sorted(missing)[0]} ({topic})")
     if not files:
         return None
-    text = (root / UPSTREAM_TESTS_MESSAGE).read_text().strip("\n")
+    message = UPSTREAM_TESTS_MESSAGE
+    if topic != "memory":
+        message = message.replace(".txt", f"-{topic}.txt")
+    if not (root / message).exists():
+        raise UserError(f"{message}: missing (the message of the {topic} tests patch)")
+    text = (root / message).read_text().strip("\n")
     subject, _, body = text.partition("\n")
     return subject.strip(), body.strip("\n"), new_files_diff(files)
 
@@ -174,7 +226,7 @@ def export_upstream(
     series = topic_series(series, topic)
     name, email = ident
     last_date = parse_patch(series[-1][1], series[-1][0]).date if series else ""
-    tests = _tests_patch(last_date) if topic == "memory" else None
+    tests = _tests_patch(topic, root)
     total = len(series) + (1 if tests else 0)
     try:
         staged = Path(tempfile.mkdtemp(prefix=f".{outdir.name}.tmp-", dir=outdir.parent))
@@ -184,7 +236,7 @@ def export_upstream(
     try:
         for n, (fname, data) in enumerate(series, 1):
             patch = parse_patch(data, fname)
-            subject = upstream_subject(patch.subject)
+            subject = DEV_PREFIX.get(target, "") + upstream_subject(patch.subject)
             diff = data[data.index(b"\ndiff --git ") + 1 :]
             head = (
                 "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
@@ -197,6 +249,7 @@ def export_upstream(
             paths.append(out.name)
         if tests:
             subject, body, diff = tests
+            subject = DEV_PREFIX.get(target, "") + subject
             n = total
             head = (
                 "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"

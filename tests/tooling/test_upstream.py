@@ -13,6 +13,8 @@ from patchtool.pins import load_pins
 from patchtool.repo import read_series
 from patchtool.upstream import (
     CPU_IMPORT_TITLE,
+    PR_TOPICS,
+    TOPIC_TESTS,
     VARIANT_TARGETS,
     check_export,
     export_upstream,
@@ -81,20 +83,50 @@ def test_conventional_subject(subject, expected):
 
 
 def test_topics_split_the_series(base):
+    """One PR per code-owner area, in series order; memory is the three together."""
     series = read_series(base)
     cpu, memory = topic_series(series, "cpu-import"), topic_series(series, "memory")
     assert [parse_patch(d, n).subject for n, d in cpu] == [f"[MoE] L{CPU_IMPORT_TITLE}"]
     assert len(memory) == len(series) - 1 and cpu[0] not in memory
+    prs = {t: topic_series(series, t) for t in PR_TOPICS}
+    assert [len(prs[t]) for t in PR_TOPICS] == [3, 3, 3]
+    assert [item for t in PR_TOPICS for item in prs[t]] == memory
+    subjects = [parse_patch(d, n).subject for n, d in prs["dispatcher-state"]]
+    assert all("dispatcher state after combine" in s for s in subjects), subjects
+    assert all("A2A overlap" in parse_patch(d, n).subject for n, d in prs["a2a-overlap"])
     with pytest.raises(UserError, match="unknown topic 'docs'"):
         topic_series(series, "docs")
+    stray = series[1][1].replace(b"Release flex dispatcher state", b"Tidy the dispatcher")
+    with pytest.raises(UserError, match="belongs to no upstream topic"):
+        topic_series([("stray.patch", stray)], "memory")
 
 
-@pytest.mark.parametrize("topic", ["memory", "cpu-import"])
+def test_export_leaves_out_the_overlay_evidence(tmp_path, base):
+    """A message paragraph starting "moe-release: " cites this repository's commands, which an
+    upstream reader cannot run: the export leaves it out, and keeps the rest."""
+    name, data = read_series(base)[1]
+    patch = parse_patch(data, name)
+    assert "\nmoe-release: " in patch.message
+    text = upstream_message(patch, *IDENT)
+    assert "moe-release" not in text and "scripts/" not in text
+    assert text.startswith(patch.message.split("\n\n", 1)[0])
+    assert "Not covered here:" in text
+
+
+def test_dev_export_titles_carry_the_dev_prefix(tmp_path):
+    paths = export_upstream("dev", tmp_path / "out", IDENT, "dispatcher-state")
+    subjects = [p.read_text().split("Subject: ", 1)[1].split("\n", 1)[0] for p in paths]
+    assert all("] [Dev] fix(moe): " in s or "] [Dev] test(moe): " in s for s in subjects), subjects
+    main = export_upstream("main", tmp_path / "main", IDENT, "dispatcher-state")
+    assert "[Dev]" not in "".join(p.read_text() for p in main)
+
+
+@pytest.mark.parametrize("topic", ["memory", *PR_TOPICS, "cpu-import"])
 def test_export_strips_overlay_trailers_and_signs_off(tmp_path, base, topic):
     series = topic_series(read_series(base), topic)
     paths = export_upstream("core_r0.19.0", tmp_path / "out", IDENT, topic)
-    # The memory topic ends with the patch adding the upstream-layout tests.
-    total = len(series) + (topic == "memory")
+    # A topic with upstream-layout tests ends with the patch adding them.
+    total = len(series) + (topic == "memory" or bool(TOPIC_TESTS.get(topic)))
     assert [p.name[:5] for p in paths] == [f"{n:04d}-" for n in range(1, total + 1)]
     for path, (name, data) in zip(paths, series):
         text = path.read_text()
@@ -196,7 +228,7 @@ def _checkout(tmp_path: Path, base, base_files, edit=None) -> Path:
     return root
 
 
-@pytest.mark.parametrize("topic", ["memory", "cpu-import"])
+@pytest.mark.parametrize("topic", ["memory", *PR_TOPICS, "cpu-import"])
 def test_check_applies_with_git_am_and_byte_compiles(tmp_path, base, base_files, topic):
     paths = export_upstream("core_r0.19.0", tmp_path / "out", IDENT, topic)
     lines = check_export(paths, _checkout(tmp_path, base, base_files), None, IDENT)
@@ -211,7 +243,7 @@ def test_check_names_the_patch_that_does_not_apply(tmp_path, base, base_files):
 
     paths = export_upstream("core_r0.19.0", tmp_path / "out", IDENT)
     checkout = _checkout(tmp_path, base, base_files, reword)
-    with pytest.raises(UserError, match=r"0008-fix-moe-release-the-HybridEP.*does not apply"):
+    with pytest.raises(UserError, match=r"0007-fix-moe-release-the-HybridEP.*does not apply"):
         check_export(paths, checkout, None, IDENT)
     # The checkout itself is untouched: git am ran on a scratch clone.
     status = subprocess.run(["git", "status", "--porcelain"], cwd=checkout, capture_output=True)
