@@ -375,8 +375,17 @@ def install_dtoh_stream_cpu_shim() -> bool:
     return True
 
 
+def held_comm_buffers(fused_a2a) -> list:
+    """fused_a2a's HybridEP and DeepEP buffers on any tree: one per process group where the
+    series keys them (``_hybrid_ep_buffers``), the single module global on the base."""
+    hybrid = list(getattr(fused_a2a, "_hybrid_ep_buffers", {}).values())
+    hybrid.append(getattr(fused_a2a, "_hybrid_ep_buffer", None))
+    return [b for b in (*hybrid, fused_a2a._buffer) if b is not None]
+
+
 def teardown_megatron_state() -> None:
-    """Drop parallel state and the module-global DeepEP/HybridEP buffers, if imported."""
+    """Drop parallel state and the module-global DeepEP/HybridEP buffers, if imported (the
+    references only: a job's end is no collective point)."""
     fused_a2a = sys.modules.get("megatron.core.transformer.moe.fused_a2a")
     if fused_a2a is not None:
         fused_a2a.reset_hybrid_ep_buffer()

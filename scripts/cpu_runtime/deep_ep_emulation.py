@@ -769,6 +769,19 @@ class Config:
         return 0
 
 
+# Buffers built with explicitly_destroy that were never destroyed: deep_ep leaks them, so their
+# bytes stay allocated here too.
+LEAKED_BUFFERS: List[torch.Tensor] = []
+
+
+class _EmulatedRuntime:
+    """Stand-in for ``deep_ep_cpp.Buffer``: its ``destroy()`` is collective over the group."""
+
+    def destroy(self, group: Optional[dist.ProcessGroup]) -> None:
+        if group is not None and dist.is_initialized():
+            dist.barrier(group=group)
+
+
 class _DeepEPHandle(tuple):
     """DeepEP's intranode dispatch handle, the real 6-tuple ``(rank_prefix_matrix,
     channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank,
@@ -812,8 +825,14 @@ class Buffer:
         num_rdma_bytes: int = 0,
         low_latency_mode: bool = False,
         num_qps_per_rank: int = 24,
-        **kwargs,
+        allow_nvlink_for_normal_mode: bool = True,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        use_fabric: bool = False,
+        explicitly_destroy: bool = False,
+        comm=None,
     ) -> None:
+        # The real signature at 94a9f8f (deep_ep/buffer.py:33-41): an unknown keyword raises.
         if low_latency_mode:
             raise NotImplementedError("The DeepEP emulation implements normal mode only.")
         self.group = group
@@ -822,9 +841,38 @@ class Buffer:
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        # The C++ runtime; destroy() sets it to None, as the real one does (buffer.py:143).
+        self.runtime = _EmulatedRuntime()
         self.memory = torch.empty(
             num_nvl_bytes + num_rdma_bytes, dtype=torch.uint8, device=_buffer_device()
         )
+
+    def destroy(self) -> None:
+        """``Buffer.destroy()`` (94a9f8f ``deep_ep/buffer.py:135-144``, C++ ``Buffer::destroy``
+        ``csrc/deep_ep.cpp:269-309``): only with ``explicitly_destroy``; synchronizes the device
+        and the buffer's peers (an intranode barrier: collective over the group, emulated by a
+        barrier on it), frees the buffer, and leaves ``runtime`` None, so any later use fails."""
+        assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
+        self.runtime.destroy(self.group)
+        self.runtime = None
+        self.memory = None
+
+    def _check_runtime(self) -> None:
+        # The real methods call self.runtime.<kernel>(...), which fails once destroy() has run.
+        if self.runtime is None:
+            raise AttributeError("'NoneType' object has no attribute 'get_local_device_id'")
+
+    def __del__(self) -> None:
+        # C++ ~Buffer (csrc/deep_ep.cpp:209-216): with explicitly_destroy and no destroy(), the
+        # resources are not released (it warns); the emulation keeps the bytes allocated.
+        if getattr(self, "explicitly_destroy", False) and getattr(self, "runtime", None):
+            print(
+                "WARNING: destroy() was not called before DeepEP buffer destruction, which can "
+                "leak resources.",
+                file=sys.stderr,
+            )
+            LEAKED_BUFFERS.append(self.memory)
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
@@ -851,6 +899,7 @@ class Buffer:
     ):
         """Returns ``(num_tokens_per_rank[R] int32, None, num_tokens_per_expert[E] int32,
         is_token_in_rank[T, R] bool, event)``; ``-1`` entries of ``topk_idx`` are ignored."""
+        self._check_runtime()
         size = self.group_size
         if num_experts % size:
             raise ValueError(f"{num_experts} experts do not split over {size} ranks.")
@@ -906,6 +955,7 @@ class Buffer:
         handle, event)``; received rows are in source rank, then token order. With a cached
         ``handle`` only ``x`` is sent and the other four are ``None``, as in DeepEP.
         """
+        self._check_runtime()
         size, rank = self.group_size, self.rank
         if handle is not None:
             send_token_ids, sends, recvs = self._routing(handle)
@@ -1000,6 +1050,7 @@ class Buffer:
 
         Returns ``(combined_x[T, H], combined_topk_weights[T, K] float32 | None, event)``.
         """
+        self._check_runtime()
         if bias is not None:
             raise NotImplementedError("The DeepEP emulation does not implement combine bias.")
         send_token_ids, sends, recvs = self._routing(handle)

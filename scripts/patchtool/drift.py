@@ -22,24 +22,10 @@ Files = Mapping[str, Optional[bytes]]
 
 # (series directory, "path::qualname") -> why that series does not end with that definition, or
 # ends with a different one. Every entry is a reason a reviewer can check on that branch.
-_NO_NCCL_EP = (
-    "no NCCL EP on this branch: release_comm_buffers()'s docstring drops the sentence about "
-    "nccl_ep_finalize()"
-)
-_DEV_V2 = "dev also has DeepEP v2's module-global _elastic_buffer, which these release as well"
+_DEV_V2 = "dev also has DeepEP v2's module-global _elastic_buffer, which these hold and release"
 _BUFFERS = "megatron/core/transformer/moe/fused_a2a.py::"
 NOT_CARRIED: dict[tuple[str, str], str] = {
-    **{
-        (f"patches/backports/{d}", _BUFFERS + "release_comm_buffers"): _NO_NCCL_EP
-        for d in (
-            "core_r0.18.0",
-            "core_r0.18.0@0.18.0",
-            "core_r0.17.0",
-            "core_r0.17.0@0.17.0",
-            "core_r0.16.0",
-        )
-    },
-    ("patches/upstream/dev", _BUFFERS + "release_comm_buffers"): _DEV_V2,
+    ("patches/upstream/dev", _BUFFERS + "_held_comm_buffers"): _DEV_V2,
     ("patches/upstream/dev", _BUFFERS + "reset_deep_ep_buffer"): _DEV_V2,
 }
 

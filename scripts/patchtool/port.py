@@ -494,6 +494,13 @@ def port_target(
     if rdir.is_dir():
         for path in sorted(rdir.iterdir()):
             stored[path.name] = path.read_bytes()
+    stems = {_stem(n) for n in pnames}
+    stale = [n for n in stored if n.rsplit(".", 1)[0] not in stems]
+    if stale:
+        raise UserError(
+            f"{rdir / stale[0]}: a resolution for no patch of patches/series (renamed or "
+            "dropped?): delete it, or record the target again"
+        )
     for k, name in enumerate(pnames):  # a patch the target does not carry yet goes after the
         if name in order:  # target's patch from its nearest primary predecessor
             continue

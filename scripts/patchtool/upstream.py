@@ -42,7 +42,11 @@ OVERLAY_TRAILERS = ("Forwarded", "Applied-Upstream", "Origin", "Backport-Of", "S
 PR_TOPICS = {
     "dispatcher-state": ("dispatcher state after combine",),
     "a2a-overlap": ("A2A overlap: ",),
-    "comm-buffers": ("HybridEP and DeepEP buffers", "HybridEP buffer when", "old DeepEP buffer"),
+    "comm-buffers": (
+        "HybridEP and DeepEP buffers",
+        "HybridEP buffer per",
+        "DeepEP buffer explicitly",
+    ),
 }
 TOPICS = ("memory", *PR_TOPICS, "cpu-import")
 # The upstream-layout tests each PR adds (files under patches/upstream/tests, by their name), and

@@ -1,7 +1,7 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
 """The memory report's rows for the flex dispatcher's communication buffers: their bytes and
-what ``release_comm_buffers()`` returns, and the HybridEP accounting's prediction
+what ``reset_fused_a2a_buffers()`` returns, and the HybridEP accounting's prediction
 (``scripts/hybridep_memory.py``) beside what the run measured."""
 
 from typing import Any, Dict, List, Optional
@@ -18,7 +18,7 @@ def comm_buffer_lines(b: Optional[Dict[str, Any]], p: Optional[Dict[str, Any]]) 
 
     rows = [
         ("comm buffers (emulated bytes)", "emulated_bytes"),
-        ("  returned by release_comm_buffers", "allocator_bytes_released"),
+        ("  returned by reset_fused_a2a_buffers", "allocator_bytes_released"),
     ]
     if p.get("device_bytes_released") is not None:
         rows.append(("  device memory outside allocator", "device_bytes_released"))

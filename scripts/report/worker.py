@@ -381,18 +381,19 @@ def train(cfg: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def comm_buffer_release(clock) -> Dict[str, Any]:
-    """The flex dispatcher's communication buffers before and after ``release_comm_buffers()``
+    """The flex dispatcher's communication buffers before and after ``reset_fused_a2a_buffers()``
     (where the tree has it): the bytes the emulation allocates for them (counted by the
     allocator), and on a GPU the device memory outside the caching allocator that the release
     returns (``mem_get_info``), which is where the real deep_ep buffers live."""
+    from cpu_runtime.compat import held_comm_buffers
     from megatron.core.transformer.moe import fused_a2a
 
-    buffers = [b for b in (fused_a2a._hybrid_ep_buffer, fused_a2a._buffer) if b is not None]
+    buffers = held_comm_buffers(fused_a2a)
     emulated = [
         b.memory.nbytes for b in buffers if isinstance(getattr(b, "memory", None), torch.Tensor)
     ]
     out: Dict[str, Any] = {"buffers": len(buffers), "emulated_bytes": sum(emulated)}
-    release = getattr(fused_a2a, "release_comm_buffers", None)
+    release = getattr(fused_a2a, "reset_fused_a2a_buffers", None)
     if release is None:
         out.update(allocator_bytes_released=None, device_bytes_released=None)
         return out

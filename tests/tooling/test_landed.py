@@ -62,7 +62,22 @@ def test_changed_context_is_a_conflict(tmp_path, base, base_files):
         if any(fp.path.endswith("parallel_state.py") for fp in parse_patch(data, name).files)
     ]
     assert touched and all(verdicts[n] == "conflicts" for n in touched)
-    assert all(v == "not landed (applies)" for n, v in verdicts.items() if n not in touched)
+    # A later patch that builds on a conflicting one's lines (the DeepEP destroy patch on the
+    # teardown patch's reset) cannot apply either; every other patch still does.
+    files = {name: {fp.path for fp in parse_patch(data, name).files} for name, data in series}
+    order = [name for name, _ in series]
+    dependent = {
+        n
+        for n in names
+        if n not in touched
+        and any(order.index(t) < order.index(n) and files[t] & files[n] for t in touched)
+    }
+    assert all(verdicts[n] in ("conflicts", "not landed (applies)") for n in dependent)
+    assert all(
+        v == "not landed (applies)"
+        for n, v in verdicts.items()
+        if n not in touched and n not in dependent
+    )
 
 
 def test_not_a_checkout(tmp_path, capsys):

@@ -187,3 +187,18 @@ def test_port_cli_dry_run_reports_each_patch():
     assert out.startswith("core_r0.18.0 (megatron-core 0.18.2) -> patches/backports/core_r0.18.0:")
     assert f"  applied                          {ALL_GATHER}" in out
     assert "kept as it is" in out and "(dry run: nothing written)" in out
+
+
+def test_a_stale_resolution_is_refused_naming_it(repo):
+    """A resolution left behind for a patch the primary series no longer has (renamed or
+    dropped) is an error naming its file, and nothing is written."""
+    stale = _sdir(repo, "core_r0.18.0") / RESOLUTIONS / "MoE-Renamed-long-ago.diff"
+    stale.write_bytes(b"# stale\n")
+    before = _snapshot(repo)
+    try:
+        port_all(["core_r0.18.0"], _mirror(), root=repo)
+    except Exception as exc:  # UserError: one line for the CLI
+        assert "MoE-Renamed-long-ago.diff" in str(exc) and "no patch of patches/series" in str(exc)
+    else:
+        raise AssertionError("a stale resolution was accepted")
+    assert _snapshot(repo) == before

@@ -243,7 +243,7 @@ def test_check_names_the_patch_that_does_not_apply(tmp_path, base, base_files):
 
     paths = export_upstream("core_r0.19.0", tmp_path / "out", IDENT)
     checkout = _checkout(tmp_path, base, base_files, reword)
-    with pytest.raises(UserError, match=r"0007-fix-moe-release-the-HybridEP.*does not apply"):
+    with pytest.raises(UserError, match=r"0008-fix-moe-release-the-HybridEP.*does not apply"):
         check_export(paths, checkout, None, IDENT)
     # The checkout itself is untouched: git am ran on a scratch clone.
     status = subprocess.run(["git", "status", "--porcelain"], cwd=checkout, capture_output=True)

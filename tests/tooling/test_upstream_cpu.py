@@ -209,7 +209,7 @@ def test_no_stream_order_keeps_the_other_placement_rules(tmp_path):
 
 def test_upstream_layout_tests_pass_with_the_series(tmp_path):
     """On the patched tree: all-gather and all-to-all at TP2xEP4 with recompute, and
-    release_comm_buffers() before any dispatch, pass on all 8 ranks."""
+    reset_fused_a2a_buffers() before any dispatch, pass on all 8 ranks."""
     checkout = standin_checkout(tmp_path / "checkout", _tree("MOE_RELEASE_TREE"))
     selection = "test_state_released_after_backward and not Flex and True-2-4 or idempotent"
     result = run_harness(
@@ -219,7 +219,7 @@ def test_upstream_layout_tests_pass_with_the_series(tmp_path):
     assert outcomes == {
         "test_state_released_after_backward[True-2-4-allgather]": "passed",
         "test_state_released_after_backward[True-2-4-alltoall]": "passed",
-        "test_release_comm_buffers_is_idempotent_without_buffers": "passed",
+        "test_reset_fused_a2a_buffers_is_idempotent_without_buffers": "passed",
     }, result["tests"]
     assert result["returncode"] == 0
 

@@ -3,8 +3,11 @@
 """The flex dispatcher's communication buffers (fused_a2a's HybridEP and DeepEP buffers) have
 explicit destructors: ``destroy_model_parallel()`` releases them, a dispatch after a new
 ``initialize_model_parallel()`` re-binds them to the new group, growth never holds two, and
-``release_comm_buffers()`` frees them between steps (offload) for the next dispatch to
-re-create.
+``reset_fused_a2a_buffers()`` frees them between steps (offload) for the next dispatch to
+re-create: collectively (a barrier on each buffer's group before any free), refusing while a
+CUDA graph that captured a dispatch may still replay, DeepEP's buffer by its explicit
+``destroy()``; the HybridEP buffers are kept per process group, so two models on different EP
+groups each run on their own.
 
 Ranks run megatron-core's real MoELayer / fused_a2a code on CPU gloo ranks with the deep_ep
 emulation, whose buffers allocate their documented sizes through the counted CPU allocator
@@ -47,9 +50,14 @@ def _layer_step(backend: str, ep: int, seed: int = 99):
 
 
 def _buffer(backend: str):
+    """The rank's one HybridEP or DeepEP buffer (None if it holds none)."""
+    from cpu_runtime.compat import held_comm_buffers
     from megatron.core.transformer.moe import fused_a2a
 
-    return fused_a2a._hybrid_ep_buffer if backend == "hybridep" else fused_a2a._buffer
+    kind = "HybridEPBuffer" if backend == "hybridep" else "Buffer"
+    held = [b for b in held_comm_buffers(fused_a2a) if type(b).__name__ == kind]
+    assert len(held) <= 1, held
+    return held[0] if held else None
 
 
 def rank_teardown(backend: str):
@@ -99,13 +107,16 @@ def rank_reinit(first_ep: int, second_ep: int):
         parallel_state.destroy_model_parallel()
     init_megatron(ep=second_ep)
     layer, out, grad = _layer_step("hybridep", second_ep)
+    from megatron.core.transformer.moe import fused_a2a
+
     group = layer.token_dispatcher._comm_manager.group
     buffer = _buffer("hybridep")
     return {
         "out": out,
         "grad": grad,
         "bound_to_call_group": buffer.group is group,
-        "bound_to_old_group": old_group is not None and buffer.group is old_group,
+        "bound_to_old_group": old_group is not None
+        and (buffer.group is old_group or old_group in fused_a2a._hybrid_ep_buffers),
         "buffer_group_size": buffer.group_size,
     }
 
@@ -138,7 +149,7 @@ def rank_growth(backend: str):
         # The SM counts and fp8_dispatch have no defaults on megatron-core 0.16.
         defaults = dict(num_sms_dispatch_api=None, num_sms_combine_api=None, fp8_dispatch=False)
         fused_a2a.init_hybrid_ep_buffer(group, size, TOKENS, 2, **defaults)
-        return fused_a2a._hybrid_ep_buffer
+        return fused_a2a._hybrid_ep_buffers[group]
 
     old = make(32).memory.nbytes
     gc.collect()
@@ -146,8 +157,7 @@ def rank_growth(backend: str):
     mem.reset_peak_memory_stats()
     new = make(64).memory.nbytes
     peak = mem.max_memory_allocated() - before
-    fused_a2a.reset_hybrid_ep_buffer()
-    fused_a2a._buffer = None
+    fused_a2a.reset_fused_a2a_buffers()
     return {"old": old, "new": new, "peak": peak}
 
 
@@ -169,8 +179,8 @@ def rank_offload(backend: str, release: bool):
     init_megatron(ep=dist.get_world_size())
     out = {}
     if release:  # idempotent and safe before any dispatch
-        fused_a2a.release_comm_buffers()
-        fused_a2a.release_comm_buffers()
+        fused_a2a.reset_fused_a2a_buffers()
+        fused_a2a.reset_fused_a2a_buffers()
     layer, _, _ = _layer_step(backend, dist.get_world_size())
     with torch.no_grad():
         for p in layer.parameters():
@@ -182,8 +192,8 @@ def rank_offload(backend: str, release: bool):
     if release:
         gc.collect()
         before = mem.memory_allocated()
-        fused_a2a.release_comm_buffers()
-        fused_a2a.release_comm_buffers()
+        fused_a2a.reset_fused_a2a_buffers()
+        fused_a2a.reset_fused_a2a_buffers()
         gc.collect()
         out["freed"] = before - mem.memory_allocated()
         out["nbytes_released"] = None if first_ref() is None else first_ref().memory.nbytes
@@ -215,3 +225,251 @@ def test_release_for_offload_then_step_is_bitwise_equal(dist_job, patched_tree, 
         assert torch.equal(k["out"], r["out"]) and torch.equal(k["input_grad"], r["input_grad"])
         assert k["grads"].keys() == r["grads"].keys() and k["grads"]
         assert all(torch.equal(k["grads"][n], r["grads"][n]) for n in k["grads"]), rank
+
+
+def _layer_on_group(config, ep_group):
+    """A HybridEP MoELayer whose expert-parallel group is ``ep_group`` (TP=1: the TPxEP group
+    too), built from megatron-core's spec with a ProcessGroupCollection, as a second model on
+    other ranks is."""
+    import copy
+
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    from cpu_runtime.moe_harness import on_device
+
+    pgc = copy.copy(get_default_pg_collection())
+    pgc.ep = pgc.tp_ep = ep_group
+    spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts)
+    layer = on_device(spec(config=config, layer_number=1, pg_collection=pgc))
+    layer.train()
+    return layer
+
+
+def rank_two_groups():
+    """Rank side (4 ranks): layer A on EP groups [0,1],[2,3] (parallel_state's), layer B on
+    [0,2],[1,3]. Sequential: A forward+backward, then B (the buffers reset in between, so even
+    a single-buffer tree binds each layer's to its group). Interleaved: A forward, B forward,
+    A backward, B backward. Returns both runs' outputs and gradients and the buffers held."""
+    from cpu_runtime.compat import held_comm_buffers
+    from cpu_runtime.moe_harness import init_megatron, moe_config
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe import fused_a2a
+    from tests.unit_tests.transformer.moe import moe_cpu_harness as harness
+
+    init_megatron(ep=2)
+    rank = dist.get_rank()
+    other = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    config = moe_config("hybridep", 2)
+    layers = {
+        "A": _layer_on_group(config, parallel_state.get_expert_model_parallel_group()),
+        "B": _layer_on_group(config, other),
+    }
+    xs = {
+        k: harness.seeded((4, TOKENS, config.hidden_size), s)[rank] for k, s in (("A", 5), ("B", 6))
+    }
+
+    def forward(k):
+        x = xs[k].clone().view(TOKENS, 1, -1).requires_grad_()
+        out, _ = layers[k](x)
+        return x, out
+
+    def backward(k, x, out):
+        out.backward(harness.seeded(out.shape, 11).to(out.dtype))
+        grads = {n: p.grad.clone() for n, p in layers[k].named_parameters() if p.grad is not None}
+        for p in layers[k].parameters():
+            p.grad = None
+        return {"out": out.detach().clone(), "x_grad": x.grad.clone(), "grads": grads}
+
+    sequential = {}
+    for k in "AB":
+        fused_a2a.reset_hybrid_ep_buffer()
+        sequential[k] = backward(k, *forward(k))
+    fused_a2a.reset_hybrid_ep_buffer()
+    xa, oa = forward("A")
+    xb, ob = forward("B")
+    interleaved = {"A": backward("A", xa, oa), "B": backward("B", xb, ob)}
+    return {
+        "sequential": sequential,
+        "interleaved": interleaved,
+        "buffers": len(held_comm_buffers(fused_a2a)),
+    }
+
+
+def test_two_models_on_different_groups_keep_their_own_buffers(dist_job, patched_tree):
+    """Two MoE layers on different EP groups (an RL policy and its reference model on other
+    ranks), forwards and backwards interleaved: each dispatch, combine and backward runs on the
+    buffer of its own group, so every result is bitwise that of running each alone. The base
+    runs the second layer on the first layer's buffer; re-binding on a group change alone
+    would run the first backward on the second group's buffer."""
+    for rank, res in enumerate(dist_job(f"{THIS}:rank_two_groups", 4, patched_tree)):
+        for k in "AB":
+            s, i = res["sequential"][k], res["interleaved"][k]
+            assert torch.equal(s["out"], i["out"]), f"rank {rank}: layer {k} output"
+            assert torch.equal(s["x_grad"], i["x_grad"]), f"rank {rank}: layer {k} input grad"
+            assert s["grads"].keys() == i["grads"].keys() and s["grads"]
+            for n in s["grads"]:
+                assert torch.equal(s["grads"][n], i["grads"][n]), f"rank {rank}: {k} {n}"
+        assert res["buffers"] == 2, f"rank {rank}: {res['buffers']} HybridEP buffers"
+
+
+class _CapturingView:
+    """torch as fused_a2a sees it while a CUDA graph captures: is_available and
+    is_current_stream_capturing are True (only fused_a2a's view; the rest of megatron keeps
+    the CPU runtime's)."""
+
+    def __init__(self, real):
+        self._real = real
+
+        class Cuda:
+            def __getattr__(self, name):
+                return getattr(real.cuda, name)
+
+            @staticmethod
+            def is_available():
+                return True
+
+            @staticmethod
+            def is_current_stream_capturing():
+                return True
+
+        self.cuda = Cuda()
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def rank_capture_guard(backend: str):
+    """Rank side: a step, then a forward whose dispatch runs while a (stand-in) capture is on.
+    reset_fused_a2a_buffers() must refuse and keep the buffer; with graphs_released=True it
+    frees it."""
+    from cpu_runtime.moe_harness import init_megatron
+    from megatron.core.transformer.moe import fused_a2a
+    from tests.unit_tests.transformer.moe import moe_cpu_harness as harness
+
+    mem = _counter()
+    init_megatron(ep=dist.get_world_size())
+    layer, _, _ = _layer_step(backend, dist.get_world_size())
+    real = fused_a2a.torch
+    fused_a2a.torch = _CapturingView(real)
+    try:
+        with torch.no_grad():
+            x = harness.seeded((TOKENS, 1, layer.config.hidden_size), 3)
+            layer(x)
+    finally:
+        fused_a2a.torch = real
+    out = {}
+    try:
+        fused_a2a.reset_fused_a2a_buffers()
+        out["refused"] = None
+    except RuntimeError as exc:
+        out["refused"] = str(exc)
+    out["kept"] = _buffer(backend) is not None
+    nbytes = _buffer(backend).memory.nbytes if out["kept"] else 0
+    gc.collect()
+    before = mem.settled()
+    fused_a2a.reset_fused_a2a_buffers(graphs_released=True)
+    gc.collect()
+    out.update(nbytes=nbytes, freed=before - mem.settled(), gone=_buffer(backend) is None)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["hybridep", "deepep"])
+def test_release_refuses_while_a_captured_graph_holds_the_buffer(dist_job, patched_tree, backend):
+    """A CUDA graph that captured a dispatch keeps raw pointers into the buffer: the release
+    raises (naming the fix) and frees nothing; once the caller says the graphs are gone it
+    frees the buffer."""
+    runs = dist_job(f"{THIS}:rank_capture_guard", 2, patched_tree, backend=backend)
+    for rank, res in enumerate(runs):
+        assert res["refused"] and "graphs_released=True" in res["refused"], f"rank {rank}: {res}"
+        assert res["kept"] and res["gone"], f"rank {rank}: {res}"
+        assert res["nbytes"] > 0 and res["freed"] == res["nbytes"], f"rank {rank}: {res}"
+
+
+def rank_release_waits_for_peers(backend: str, delay: float):
+    """Rank side: after a step, rank 1 calls the release ``delay`` seconds after rank 0. Returns
+    when each rank entered and left it (wall clock, one host)."""
+    import time
+
+    from cpu_runtime.moe_harness import init_megatron
+    from megatron.core.transformer.moe import fused_a2a
+
+    init_megatron(ep=dist.get_world_size())
+    _layer_step(backend, dist.get_world_size())
+    dist.barrier()
+    if dist.get_rank() == 1:
+        time.sleep(delay)
+    entered = time.time()
+    fused_a2a.reset_fused_a2a_buffers()
+    return {"entered": entered, "left": time.time(), "gone": _buffer(backend) is None}
+
+
+@pytest.mark.parametrize("backend", ["hybridep", "deepep"])
+def test_release_waits_for_every_peer_before_freeing(dist_job, patched_tree, backend):
+    """The release is collective: rank 0 does not return (and so has not freed) before rank 1,
+    one second later, has entered it."""
+    r0, r1 = dist_job(
+        f"{THIS}:rank_release_waits_for_peers", 2, patched_tree, backend=backend, delay=1.0
+    )
+    assert r1["entered"] - r0["entered"] >= 0.9, (r0, r1)
+    assert r0["left"] >= r1["entered"], (r0, r1)
+    assert r0["gone"] and r1["gone"]
+
+
+def rank_deep_ep_explicit_destroy():
+    """Rank side: after a DeepEP step, keep a second reference to the buffer; the release frees
+    its bytes anyway (Buffer.destroy()), and the buffer refuses any later use. Then the
+    emulation's own contract: destroy() needs the flag, and a flagged buffer dropped without
+    destroy() stays allocated, as deep_ep leaks it."""
+    from cpu_runtime import deep_ep_emulation as emu
+    from cpu_runtime.moe_harness import init_megatron
+    from megatron.core.transformer.moe import fused_a2a
+
+    mem = _counter()
+    init_megatron(ep=dist.get_world_size())
+    _layer_step("deepep", dist.get_world_size())
+    buffer = _buffer("deepep")
+    out = {"flag": buffer.explicitly_destroy, "nbytes": buffer.memory.nbytes}
+    gc.collect()
+    before = mem.settled()
+    fused_a2a.reset_fused_a2a_buffers()
+    gc.collect()
+    out["freed_while_referenced"] = before - mem.settled()
+    out["runtime"] = buffer.runtime is not None
+    try:
+        buffer.get_dispatch_layout(torch.zeros(2, 1, dtype=torch.int64), 2)
+        out["used_after_destroy"] = "ran"
+    except AttributeError as exc:
+        out["used_after_destroy"] = str(exc)
+    group = dist.group.WORLD
+    plain = emu.Buffer(group, 64, 0)
+    try:
+        plain.destroy()
+        out["destroy_without_flag"] = "ran"
+    except AssertionError as exc:
+        out["destroy_without_flag"] = str(exc)
+    del plain
+    gc.collect()
+    before = mem.settled()
+    leaked = len(emu.LEAKED_BUFFERS)
+    flagged = emu.Buffer(group, 4096, 0, explicitly_destroy=True)
+    del flagged
+    gc.collect()
+    out["leaked_bytes"] = mem.settled() - before
+    out["leaked"] = len(emu.LEAKED_BUFFERS) - leaked
+    try:
+        emu.Buffer(group, 64, 0, not_a_deep_ep_argument=True)
+        out["unknown_kwarg"] = "accepted"
+    except TypeError:
+        out["unknown_kwarg"] = "refused"
+    return out
+
+
+def test_deep_ep_buffer_is_destroyed_explicitly(dist_job, patched_tree):
+    for rank, res in enumerate(dist_job(f"{THIS}:rank_deep_ep_explicit_destroy", 2, patched_tree)):
+        assert res["flag"], f"rank {rank}: the buffer was built without explicitly_destroy"
+        assert res["freed_while_referenced"] == res["nbytes"] > 0, f"rank {rank}: {res}"
+        assert not res["runtime"] and "NoneType" in res["used_after_destroy"], res
+        assert "explicitly_destroy" in res["destroy_without_flag"], res
+        assert res["leaked"] == 1 and res["leaked_bytes"] >= 4096, res
+        assert res["unknown_kwarg"] == "refused"

@@ -154,7 +154,9 @@ def rank_per_call(tokens: int, hidden: int):
         x, routing, probs, group, local, num_permuted_tokens=None, pad_multiple=None
     )
     combined = fused_a2a.hybrid_ep_combine(out, handle, None, None)
-    buffer = fused_a2a._hybrid_ep_buffer
+    from cpu_runtime.compat import held_comm_buffers
+
+    (buffer,) = held_comm_buffers(fused_a2a)
     return {
         "dispatch_tokens": out.untyped_storage().nbytes(),
         "dispatch_probs": dprobs.untyped_storage().nbytes(),

@@ -196,8 +196,8 @@ def test_device_check_runs_the_report_end_to_end(tmp_path, base_tree, patched_tr
     assert all(sum(r["dispatcher_held_bytes"]) == 0 for r in report["patched"])
     assert all(sum(r["dispatcher_held_bytes"]) > 0 for r in report["base"])
     # The flex dispatcher's communication buffers: emulated bytes, and what the patched tree's
-    # release_comm_buffers() returns (the base has no release).
-    assert "returned by release_comm_buffers" in text
+    # reset_fused_a2a_buffers() returns (the base has no release).
+    assert "returned by reset_fused_a2a_buffers" in text
     for b, p in zip(report["base"], report["patched"]):
         assert b["comm_buffers"]["allocator_bytes_released"] is None
         assert p["comm_buffers"]["emulated_bytes"] > 0
