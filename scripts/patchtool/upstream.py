@@ -264,6 +264,10 @@ def export_upstream(
             signoff = f"\n\nSigned-off-by: {name} <{email}>\n"
             out.write_bytes((head + body + signoff + "---\n").encode() + diff)
             paths.append(out.name)
+        if topic in PR_SUMMARY:
+            (staged / PR_FILE).write_text(
+                pr_description(target, topic, series, tests, root), encoding="utf-8"
+            )
         if outdir.exists():
             outdir.rmdir()
         staged.rename(outdir)
@@ -274,6 +278,86 @@ def export_upstream(
         shutil.rmtree(staged, ignore_errors=True)
         raise
     return [outdir / p for p in paths]
+
+
+# What each PR does, in a line: the first section of upstream's pull_request_template.md.
+PR_SUMMARY = {
+    "dispatcher-state": (
+        "Release each MoE token dispatcher's per-forward routing state (probs, routing map, "
+        "handle, permutation mappings) once combine is done, instead of keeping it, and the "
+        "autograd graph it pins, until that layer's next forward.",
+        "Related to #5869 (whose reset_transient_forward_state() API this builds on).",
+    ),
+    "a2a-overlap": (
+        "Release what the 1F1B EP A2A-overlap schedule holds past its last use: a schedule "
+        "node's detached tensors after its backward, the layer state's probs and token "
+        "counts, and the chunk state after the chunk's backward (whose node detach was a "
+        "no-op).",
+        "Related to #2236 (which moved the node's clearing to __del__).",
+    ),
+    "comm-buffers": (
+        "Give the flex dispatcher's HybridEP/DeepEP communication buffers a lifecycle: one "
+        "HybridEP buffer per process group, a collective reset_fused_a2a_buffers() that "
+        "destroy_model_parallel() calls, and DeepEP buffers destroyed explicitly.",
+        "Related to #7029 (whose reset_fused_a2a_buffers() name and teardown stage this matches).",
+    ),
+}
+PR_FILE = "PR.md"
+
+
+def pr_description(
+    target: str, topic: str, series: list, tests: Optional[tuple], root: Path = REPO_ROOT
+) -> str:
+    """The PR's description in upstream's template (.github/pull_request_template.md): what it
+    does, the linked issue, the pre-checks as they stand, the commits, the tests and how to run
+    them, and what the change does not cover (each commit's own "Not covered")."""
+    summary, related = PR_SUMMARY[topic]
+    test_files = sorted(upstream_test_files(root)) if tests else []
+    if tests and topic in TOPIC_TESTS:
+        test_files = [p for p in test_files if p.rsplit("/", 1)[-1] in TOPIC_TESTS[topic]]
+    box = lambda done: "x" if done else " "  # noqa: E731
+    out = [
+        "- [ ] I, the PR author, have personally reviewed every line of this PR.",
+        "",
+        "# What does this PR do?",
+        "",
+        summary,
+        "",
+        "## Issue tracking",
+        "",
+        f"Linked issue: {related}",
+        "",
+        "## Contribution process",
+        "",
+        "### Pre-checks",
+        "",
+        f"- [{box(test_files)}] I have added relevant unit tests",
+        "- [ ] I have added relevant functional tests",
+        "- [x] I have added proper typing to my code",
+        "- [x] I have added relevant documentation (docstrings)",
+        "- [ ] I have run the autoformatter.sh on my PR",
+        "",
+        f"## Commits (against {target})",
+        "",
+    ]
+    not_covered = []
+    for name, data in series:
+        patch = parse_patch(data, name)
+        first = patch.message.strip("\n").split("\n\n", 1)[0]
+        out += [f"- **{upstream_subject(patch.subject)}**: " + " ".join(first.split()), ""]
+        for par in patch.message.split("\n\n"):
+            if par.startswith("Not covered"):
+                not_covered.append(" ".join(par.split()))
+    out += ["## Tests", ""]
+    if test_files:
+        out += [f"- `{p}`" for p in test_files]
+        out += ["", "```sh", "torchrun --nproc-per-node 8 -m pytest " + " ".join(test_files)]
+        out += ["```", "", "Without the commits above their release tests fail (the flex cases"]
+        out += ["need deep_ep and skip without it). No GPU run yet."]
+    else:
+        out += ["No upstream unit test in this PR yet; the commits name what was checked."]
+    out += ["", "## Not covered", ""] + [f"- {n}" for n in not_covered] + [""]
+    return "\n".join(out)
 
 
 def check_checkout_dir(checkout: Path) -> None:

@@ -121,6 +121,26 @@ def test_dev_export_titles_carry_the_dev_prefix(tmp_path):
     assert "[Dev]" not in "".join(p.read_text() for p in main)
 
 
+@pytest.mark.parametrize("topic", [*PR_TOPICS, "memory", "cpu-import"])
+def test_each_pr_gets_a_description_in_upstreams_template(tmp_path, base, topic):
+    """PR.md beside a PR's patches: upstream's pull_request_template.md sections, every commit's
+    subject, the tests it adds and how to run them, what it does not cover."""
+    export_upstream("core_r0.19.0", tmp_path / "out", IDENT, topic)
+    pr = tmp_path / "out" / "PR.md"
+    if topic not in PR_TOPICS:
+        assert not pr.exists()
+        return
+    text = pr.read_text()
+    for heading in ("# What does this PR do?", "## Issue tracking", "### Pre-checks", "## Tests"):
+        assert heading in text, heading
+    for name, data in topic_series(read_series(base), topic):
+        assert upstream_subject(parse_patch(data, name).subject) in text
+    tests = TOPIC_TESTS[topic]
+    assert ("- [x] I have added relevant unit tests" in text) == bool(tests)
+    assert all(t in text for t in tests) and "## Not covered" in text
+    assert "moe-release" not in text and "scripts/" not in text
+
+
 @pytest.mark.parametrize("topic", ["memory", *PR_TOPICS, "cpu-import"])
 def test_export_strips_overlay_trailers_and_signs_off(tmp_path, base, topic):
     series = topic_series(read_series(base), topic)
