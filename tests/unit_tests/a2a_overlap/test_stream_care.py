@@ -7,10 +7,12 @@ while much of what it drops was made on the compute stream. Every dispatcher's
 ``reset_transient_forward_state`` must record each device tensor it drops (also inside a tuple
 such as a dispatch handle) on the current stream before dropping it. A host has no device
 tensors, so a tensor subclass that reports ``is_cuda`` stands in for one and logs
-``record_stream``; the stream is the CPU runtime's stand-in. Each check runs in a fresh
-interpreter on the patched tree and fails on the unpatched base (which has no release).
+``record_stream``; the stream is the CPU runtime's stand-in. The checks run in one fresh
+interpreter on the patched tree (megatron-core imported once, a fresh record log per check),
+and each fails on the unpatched base (which has no release).
 """
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -90,8 +92,7 @@ CASES = {
 }
 
 
-def _run(tree: str, body: str) -> subprocess.CompletedProcess:
-    code = textwrap.dedent(SETUP) + textwrap.dedent(body)
+def _run(tree: str, code: str) -> subprocess.CompletedProcess:
     env = {"PYTHONPATH": f"{tree}:{SCRIPTS}", "CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"}
     return subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=str(REPO_ROOT), capture_output=True,
@@ -99,7 +100,33 @@ def _run(tree: str, body: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+def _all_cases_program() -> str:
+    """One interpreter runs every case (importing megatron-core once), each in a fresh ``recorded``
+    log; prints one JSON line: case -> "ok" or its traceback."""
+    out = [textwrap.dedent(SETUP), "import json, traceback", "results = {}"]
+    for name in sorted(CASES):
+        body = textwrap.indent(textwrap.dedent(CASES[name]).strip("\n"), "    ")
+        out.append(
+            f"recorded.clear()\ntry:\n{body}\n    results[{name!r}] = 'ok'\n"
+            f"except BaseException:\n    results[{name!r}] = traceback.format_exc()"
+        )
+    out.append("print('RESULTS ' + json.dumps(results))")
+    return "\n".join(out)
+
+
+_RESULTS: dict = {}
+
+
+def _results(tree: str) -> dict:
+    if tree not in _RESULTS:
+        done = _run(tree, _all_cases_program())
+        line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULTS ")]
+        assert done.returncode == 0 and line, done.stderr[-3000:]
+        _RESULTS[tree] = json.loads(line[-1][len("RESULTS ") :])
+    return _RESULTS[tree]
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_release_records_dropped_tensors_on_current_stream(patched_tree, case):
-    done = _run(patched_tree, CASES[case])
-    assert done.returncode == 0, done.stderr[-3000:]
+    result = _results(patched_tree)[case]
+    assert result == "ok", result[-3000:]
