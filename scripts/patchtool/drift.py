@@ -14,6 +14,7 @@ they must equal the primary's.
 from __future__ import annotations
 
 import ast
+from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
 from .patches import apply_file_patch, parse_patch
@@ -105,7 +106,9 @@ def drift(
     return problems
 
 
-def compare_all(checkout=None, root=None) -> tuple[list[str], list[str]]:
+def compare_all(
+    checkout: Optional[Path] = None, root: Optional[Path] = None
+) -> tuple[list[str], list[str]]:
     """Compare every series that can be read here with the primary series: (names of the bases
     compared, problems). Commit bases need a Megatron-LM checkout (``checkout`` or
     ``$MOE_RELEASE_MEGATRON_LM``); without one they are not compared."""

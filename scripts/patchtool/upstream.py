@@ -192,18 +192,26 @@ def new_files_diff(files: dict[str, bytes]) -> bytes:
     return "".join(out).encode()
 
 
+def topic_test_files(topic: str, root: Path = REPO_ROOT) -> dict[str, bytes]:
+    """The upstream-layout test files ``topic`` adds (all of them for ``memory``, none for
+    ``cpu-import``); a file :data:`TOPIC_TESTS` names that does not exist is an error."""
+    if topic == "cpu-import":
+        return {}
+    files = upstream_test_files(root)
+    if topic == "memory":
+        return files
+    names = TOPIC_TESTS[topic]
+    files = {p: d for p, d in files.items() if p.rsplit("/", 1)[-1] in names}
+    missing = set(names) - {p.rsplit("/", 1)[-1] for p in files}
+    if missing:
+        raise UserError(f"{UPSTREAM_FILES_DIR}/tests: no {sorted(missing)[0]} ({topic})")
+    return files
+
+
 def _tests_patch(topic: str, root: Path = REPO_ROOT) -> Optional[tuple[str, str, bytes]]:
     """(subject, message, diff) of the patch adding ``topic``'s upstream-layout tests (all of
     them for ``memory``), or None."""
-    files = upstream_test_files(root)
-    if topic == "cpu-import":
-        return None
-    if topic != "memory":
-        names = TOPIC_TESTS[topic]
-        files = {p: d for p, d in files.items() if p.rsplit("/", 1)[-1] in names}
-        missing = set(names) - {p.rsplit("/", 1)[-1] for p in files}
-        if missing:
-            raise UserError(f"{UPSTREAM_FILES_DIR}/tests: no {sorted(missing)[0]} ({topic})")
+    files = topic_test_files(topic, root)
     if not files:
         return None
     message = UPSTREAM_TESTS_MESSAGE
@@ -266,7 +274,7 @@ def export_upstream(
             paths.append(out.name)
         if topic in PR_SUMMARY:
             (staged / PR_FILE).write_text(
-                pr_description(target, topic, series, tests, root), encoding="utf-8"
+                pr_description(target, topic, series, root), encoding="utf-8"
             )
         if outdir.exists():
             outdir.rmdir()
@@ -305,16 +313,12 @@ PR_SUMMARY = {
 PR_FILE = "PR.md"
 
 
-def pr_description(
-    target: str, topic: str, series: list, tests: Optional[tuple], root: Path = REPO_ROOT
-) -> str:
+def pr_description(target: str, topic: str, series: list, root: Path = REPO_ROOT) -> str:
     """The PR's description in upstream's template (.github/pull_request_template.md): what it
     does, the linked issue, the pre-checks as they stand, the commits, the tests and how to run
     them, and what the change does not cover (each commit's own "Not covered")."""
     summary, related = PR_SUMMARY[topic]
-    test_files = sorted(upstream_test_files(root)) if tests else []
-    if tests and topic in TOPIC_TESTS:
-        test_files = [p for p in test_files if p.rsplit("/", 1)[-1] in TOPIC_TESTS[topic]]
+    test_files = sorted(topic_test_files(topic, root))
     box = lambda done: "x" if done else " "  # noqa: E731
     out = [
         "- [ ] I, the PR author, have personally reviewed every line of this PR.",

@@ -9,11 +9,47 @@ tokens, with each rank's router copy kept separate so per-rank router gradients 
 one.
 """
 
+import contextlib
 import os
 from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
+
+
+@contextlib.contextmanager
+def capturing(module, calls: Optional[list] = None):
+    """While the block runs, ``module`` (megatron's token_dispatcher or fused_a2a) sees a CUDA
+    stream capture in progress: its ``torch.cuda.is_available()`` and
+    ``is_current_stream_capturing()`` answer True (each query of the latter appended to
+    ``calls``); the rest of megatron keeps the CPU runtime's view."""
+    real = module.torch
+
+    class Cuda:
+        def __getattr__(self, name):
+            return getattr(real.cuda, name)
+
+        @staticmethod
+        def is_available():
+            return True
+
+        @staticmethod
+        def is_current_stream_capturing():
+            if calls is not None:
+                calls.append(1)
+            return True
+
+    class TorchView:
+        cuda = Cuda()
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    module.torch = TorchView()
+    try:
+        yield
+    finally:
+        module.torch = real
 
 
 def seeded(shape, seed: int, dtype=torch.float32, scale: float = 1.0) -> torch.Tensor:

@@ -313,32 +313,6 @@ def test_two_models_on_different_groups_keep_their_own_buffers(dist_job, patched
         assert res["buffers"] == 2, f"rank {rank}: {res['buffers']} HybridEP buffers"
 
 
-class _CapturingView:
-    """torch as fused_a2a sees it while a CUDA graph captures: is_available and
-    is_current_stream_capturing are True (only fused_a2a's view; the rest of megatron keeps
-    the CPU runtime's)."""
-
-    def __init__(self, real):
-        self._real = real
-
-        class Cuda:
-            def __getattr__(self, name):
-                return getattr(real.cuda, name)
-
-            @staticmethod
-            def is_available():
-                return True
-
-            @staticmethod
-            def is_current_stream_capturing():
-                return True
-
-        self.cuda = Cuda()
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-
 def rank_capture_guard(backend: str):
     """Rank side: a step, then a forward whose dispatch runs while a (stand-in) capture is on.
     reset_fused_a2a_buffers() must refuse and keep the buffer; with graphs_released=True it
@@ -350,14 +324,8 @@ def rank_capture_guard(backend: str):
     mem = _counter()
     init_megatron(ep=dist.get_world_size())
     layer, _, _ = _layer_step(backend, dist.get_world_size())
-    real = fused_a2a.torch
-    fused_a2a.torch = _CapturingView(real)
-    try:
-        with torch.no_grad():
-            x = harness.seeded((TOKENS, 1, layer.config.hidden_size), 3)
-            layer(x)
-    finally:
-        fused_a2a.torch = real
+    with harness.capturing(fused_a2a), torch.no_grad():
+        layer(harness.seeded((TOKENS, 1, layer.config.hidden_size), 3))
     out = {}
     try:
         fused_a2a.reset_fused_a2a_buffers()

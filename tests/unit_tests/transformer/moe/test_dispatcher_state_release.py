@@ -595,34 +595,11 @@ def rank_cudagraph_replay(dispatcher, backend, ep, variant=None):
     disp.valid_cudagraph_attrs = None
     # While capturing, the release after combine is skipped. Only token_dispatcher's view of
     # torch.cuda claims a capture; the rest of megatron keeps seeing the real (absent) CUDA.
+    from tests.unit_tests.transformer.moe.moe_cpu_harness import capturing
+
     calls = []
-    saved = td.torch  # torch as token_dispatcher sees it (the CPU runtime's stream view)
-
-    class FakeCuda:
-        def __getattr__(self, name):
-            return getattr(saved.cuda, name)
-
-        @staticmethod
-        def is_available():
-            return True
-
-        @staticmethod
-        def is_current_stream_capturing():
-            calls.append(1)
-            return True
-
-    class TorchView:
-        cuda = FakeCuda()
-
-        def __getattr__(self, name):
-            return getattr(saved, name)
-
-    try:
-        td.torch = TorchView()
-        with torch.no_grad():
-            layer(x)
-    finally:
-        td.torch = saved
+    with capturing(td, calls), torch.no_grad():
+        layer(x)
     res["capture_checked"] = bool(calls)
     res["held_while_capturing"] = held_state_bytes(disp)
     return res
