@@ -1,22 +1,25 @@
 """The upstream CPU harness (scripts/upstream_cpu) and the upstream-layout tests it runs.
 
 What CI can run: the PyPI sdist our trees come from has no ``tests/``, and CI cannot reach a
-Megatron-LM checkout. So the CI case builds a scratch checkout around the materialized patched
-tree (its ``megatron/``), our upstream-layout test files from ``patches/upstream/tests`` and a
-stand-in for upstream's ``tests/unit_tests/test_utilities.py`` (``upstream_standin/``: only
-``Utils``, with upstream's behaviour), and runs a few of those tests through ``run.py`` on 8
-gloo ranks, as upstream's CI runs them on 8 GPUs. That covers the harness (launch, CUDA to host,
-NCCL to gloo, counting over ranks) and our tests' logic against the series; a small
+Megatron-LM checkout. So :mod:`upstream_cpu.per_patch` builds scratch checkouts around trees of
+the sdist with a prefix of the series applied (their ``megatron/``), our upstream-layout test
+files from ``patches/upstream/tests`` and :mod:`upstream_cpu.standin_utils` (upstream's
+``Utils``, only what those tests use, with upstream's behaviour), and runs each patch's tests
+(``patches/upstream/patch-tests.toml``) through ``run.py`` on 8 gloo ranks, as upstream's CI runs
+them on 8 GPUs, on the tree without the patch (they must fail, for the manifest's reason) and
+with it (they must pass). The default run does that for one patch; the ``slow`` cases for every
+patch, and for every test on the unpatched base against the whole series. A small
 upstream-style file (``upstream_standin/standin_placement_wiring.py``) checks that the plugin
 runs tests under the CPU runtime's placement rules (and without them, ``--no-placement``), and
-what ``--te-local-spec``/``--fp32-gemm`` give a test. It does not cover
-upstream's own test files or their ``Utils``. Running upstream's own MoE tests needs a
-Megatron-LM checkout: the ``slow`` case does it when the read-only mirror exists (never on CI),
-on a snapshot of core_r0.19.0 with and without the series.
+what ``--te-local-spec``/``--fp32-gemm`` give a test. Upstream's own test files and ``Utils``
+need a Megatron-LM checkout: the ``slow`` snapshot case runs them when the read-only mirror
+exists (never on CI), on core_r0.19.0 with and without the series.
 """
 
+import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,17 +27,18 @@ from pathlib import Path
 
 import pytest
 
+from patchtool.common import UserError
+from patchtool.pins import load_pins
+from patchtool.repo import read_series
+from upstream_cpu import per_patch
 from upstream_cpu import run as harness
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RUN = REPO_ROOT / "scripts" / "upstream_cpu" / "run.py"
 UPSTREAM_TESTS = REPO_ROOT / "patches" / "upstream" / "tests"
-STANDIN = Path(__file__).resolve().parent / "upstream_standin" / "standin_test_utilities.py"
 WIRING = Path(__file__).resolve().parent / "upstream_standin" / "standin_placement_wiring.py"
 MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
 MOE = "tests/unit_tests/transformer/moe"
-STATE_RELEASE = f"{MOE}/test_token_dispatcher_state_release.py"
-COMM_BUFFERS = f"{MOE}/test_fused_a2a_release_comm_buffers.py"
 
 
 def _tree(name: str) -> Path:
@@ -94,15 +98,8 @@ def test_refuses_a_tree_without_upstream_tests(tmp_path, capsys):
 
 
 def standin_checkout(root: Path, tree: Path) -> Path:
-    """A Megatron-LM-shaped checkout: the tree's megatron/, our upstream-layout tests and the
-    stand-in Utils."""
-    root.mkdir()
-    (root / "megatron").symlink_to(tree / "megatron", target_is_directory=True)
-    shutil.copytree(UPSTREAM_TESTS, root / "tests")
-    for pkg in ("tests", "tests/unit_tests", "tests/unit_tests/transformer", MOE):
-        (root / pkg / "__init__.py").touch()
-    shutil.copy(STANDIN, root / "tests" / "unit_tests" / "test_utilities.py")
-    return root
+    """A Megatron-LM-shaped checkout around a materialized tree (per_patch's)."""
+    return per_patch.standin_checkout(root, tree / "megatron")
 
 
 def run_harness(
@@ -207,40 +204,139 @@ def test_no_stream_order_keeps_the_other_placement_rules(tmp_path):
     }, result["tests"]
 
 
-def test_upstream_layout_tests_pass_with_the_series(tmp_path):
-    """On the patched tree: all-gather and all-to-all at TP2xEP4 with recompute, and
-    reset_fused_a2a_buffers() before any dispatch, pass on all 8 ranks."""
-    checkout = standin_checkout(tmp_path / "checkout", _tree("MOE_RELEASE_TREE"))
-    selection = "test_state_released_after_backward and not Flex and True-2-4 or idempotent"
-    result = run_harness(
-        checkout, tmp_path / "out.json", STATE_RELEASE, COMM_BUFFERS, "-k", selection
+def _manifest_targets(nodeid: str) -> tuple:
+    """(file, class or None, function) a node id names."""
+    file, *names = nodeid.split("::")
+    func = names[-1].split("[", 1)[0]
+    return file, (names[0] if len(names) == 2 else None), func
+
+
+def _defined(path: Path) -> set:
+    """``Class.function`` and ``function`` names a test file defines."""
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            names.add(node.name)
+        elif isinstance(node, ast.ClassDef):
+            names |= {f"{node.name}.{f.name}" for f in node.body if isinstance(f, ast.FunctionDef)}
+    return names
+
+
+def test_manifest_covers_every_patch_of_every_series():
+    """Every patch of every series (a backport by its Backport-Of:) has a manifest entry with a
+    test that fails without it; every node id names a test its file defines, and every
+    upstream-layout test file is named by some entry."""
+    manifest = per_patch.load_manifest()
+    pins = load_pins()
+    for version in pins.bases:
+        base = pins.get(version)
+        if not (base.series_dir(REPO_ROOT) / "series").exists():
+            continue
+        for name, data in read_series(base):
+            primary = per_patch.primary_name(name, data)
+            assert primary in manifest, f"{version}: {name} ({primary}) has no tests"
+    used = set()
+    for entry in manifest.values():
+        for nodeid in entry.fails_without + entry.guards:
+            file, cls, func = _manifest_targets(nodeid)
+            used.add(file)
+            want = f"{cls}.{func}" if cls else func
+            assert want in _defined(UPSTREAM_TESTS.parent / file), f"{nodeid}: not defined"
+    files = {
+        p.relative_to(UPSTREAM_TESTS.parent).as_posix() for p in UPSTREAM_TESTS.rglob("test_*.py")
+    }
+    assert files == used, f"not in patch-tests.toml: {sorted(files - used)}"
+
+
+def test_manifest_errors_name_the_entry(tmp_path):
+    """A manifest entry without a fails_without test, with an unknown key or naming a missing
+    file is refused, naming the entry."""
+    cases = {
+        "no test": ('[patch."A.patch"]\nguards = []\n', "[patch.'A.patch']: no fails_without"),
+        "unknown key": ('[patch."A.patch"]\nfail = ["x"]\n', "unknown key 'fail'"),
+        "missing file": (
+            '[patch."A.patch"]\nfails_without = ["tests/nope.py::test_x"]\n',
+            "tests/nope.py::test_x: no such file",
+        ),
+    }
+    for text, message in cases.values():
+        path = tmp_path / "m.toml"
+        path.write_text(text)
+        with pytest.raises(UserError, match=re.escape(message)):
+            per_patch.load_manifest(path)
+
+
+def test_plan_and_evaluate():
+    """Patch k runs on prefix k-1 (must fail, with the reason) and on prefix k (must pass, with
+    its guards): one launch per prefix, shared by neighbouring patches; --ends runs everything
+    on prefix 0 and the whole series. A test that passes without its patch, or fails for
+    another reason, or did not run, is a failed check."""
+    e = {
+        2: per_patch.PatchTests("b.patch", ["t::b"], "held", ["t::gb"], []),
+        3: per_patch.PatchTests("c.patch", ["t::c"], "held", [], ["--fp32-gemm"]),
+    }
+    launches = per_patch.plan(e, ends=False, n=3)
+    assert [(x.prefix, x.tests, x.options) for x in launches] == [
+        (1, ["t::b"], []),
+        (2, ["t::b", "t::gb", "t::c"], ["--fp32-gemm"]),
+        (3, ["t::c"], ["--fp32-gemm"]),
+    ]
+    ends = per_patch.plan(e, ends=True, n=3)
+    assert [(x.prefix, x.tests) for x in ends] == [
+        (0, ["t::b", "t::c"]),
+        (3, ["t::b", "t::gb", "t::c"]),
+    ]
+    failed = dict(outcome="failed", reason="rank 0: call: AssertionError: held ['x']")
+    passed = dict(outcome="passed", reason="")
+    good = {
+        1: {"t::b": failed},
+        2: {"t::b": passed, "t::gb": passed, "t::c": failed},
+        3: {"t::c": passed},
+    }
+    checks = per_patch.evaluate(per_patch.expectations(e, False, 3), good)
+    assert [c["ok"] for c in checks] == [True] * 5, checks
+    other_reason = {**good, 1: {"t::b": dict(outcome="failed", reason="ImportError: x")}}
+    passes_without = {**good, 1: {"t::b": passed}}
+    not_run = {**good, 3: {}}
+    for outcomes in (other_reason, passes_without, not_run):
+        checks = per_patch.evaluate(per_patch.expectations(e, False, 3), outcomes)
+        assert sum(not c["ok"] for c in checks) == 1, checks
+
+
+def test_one_patch_fails_without_and_passes_with(tmp_path):
+    """The all-gather release patch's first test, through per_patch on the real trees: it fails
+    on the series up to the all-to-all patch (the dispatcher still holds the forward's
+    tensors) and passes once the patch is applied. Two 8-rank launches."""
+    out = tmp_path / "out.json"
+    rc = per_patch.main(
+        ["--patch", "all-gather", "--first", "--timeout", "540", "--json", str(out)]
     )
-    outcomes = {n.split("::")[-1]: t["outcome"] for n, t in result["tests"].items()}
-    assert outcomes == {
-        "test_state_released_after_backward[True-2-4-allgather]": "passed",
-        "test_state_released_after_backward[True-2-4-alltoall]": "passed",
-        "test_reset_fused_a2a_buffers_is_idempotent_without_buffers": "passed",
-    }, result["tests"]
-    assert result["returncode"] == 0
+    checks = json.loads(out.read_text())["checks"]
+    assert rc == 0, checks
+    assert [(c["prefix"], c["outcome"]) for c in checks] == [(3, "failed"), (4, "passed")], checks
+    assert "still holds the forward's tensors" in checks[0]["got_reason"], checks
 
 
 @pytest.mark.slow
-def test_upstream_layout_tests_fail_without_the_series(tmp_path):
-    """On the base tree the release tests fail (the flex ones on the deep_ep emulation), and
-    the output-equality tests pass on both trees."""
-    selection = "(allgather or hybridep or idempotent or release_and_recreate) and not False-"
-    results = {}
-    for env in ("MOE_RELEASE_TREE", "MOE_RELEASE_BASE_TREE"):
-        checkout = standin_checkout(tmp_path / env, _tree(env))
-        out = tmp_path / f"{env}.json"
-        result = run_harness(checkout, out, STATE_RELEASE, COMM_BUFFERS, "-k", selection)
-        results[env] = {n.split("::", 1)[1]: t["outcome"] for n, t in result["tests"].items()}
-    patched, base = results["MOE_RELEASE_TREE"], results["MOE_RELEASE_BASE_TREE"]
-    assert patched.keys() == base.keys() and len(patched) >= 6, results
-    assert set(patched.values()) == {"passed"}, patched
-    for name, outcome in base.items():
-        expected = "passed" if "keeps_outputs" in name else "failed"
-        assert outcome == expected, (name, base)
+def test_every_patch_fails_without_and_passes_with(tmp_path):
+    """Every patch of the series: its tests fail on the prefix without it and pass with it
+    (one 8-rank launch per prefix tree, 11 in all)."""
+    out = tmp_path / "out.json"
+    rc = per_patch.main(["--timeout", "1500", "--json", str(out)])
+    checks = json.loads(out.read_text())["checks"]
+    assert rc == 0, [c for c in checks if not c["ok"]]
+    assert {c["patch"] for c in checks} == {n for n, _ in read_series(load_pins().get(None))}
+
+
+@pytest.mark.slow
+def test_every_test_fails_on_the_base_and_passes_on_the_series(tmp_path):
+    """--ends: every patch's fails_without tests fail on the unpatched base, and all its tests
+    pass on the whole series."""
+    out = tmp_path / "out.json"
+    rc = per_patch.main(["--ends", "--timeout", "1500", "--json", str(out)])
+    checks = json.loads(out.read_text())["checks"]
+    assert rc == 0, [c for c in checks if not c["ok"]]
 
 
 @pytest.mark.slow

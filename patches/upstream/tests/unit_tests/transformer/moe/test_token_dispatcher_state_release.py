@@ -2,16 +2,25 @@
 
 """The MoE token dispatchers release their per-forward state once combine is done.
 
-After a forward and backward through an MoELayer, neither the dispatcher nor the flex
-dispatcher's communication manager may hold the routing map, the router probabilities, the
-permutation mappings or the dispatch handle of that forward: the probabilities are the router's
-differentiable output, so holding them keeps the layer's input (with recompute, the recomputed
-input) and its gradient alive until the layer's next forward. Releasing them must not change
-outputs or gradients.
+After a forward and backward through an MoELayer, the dispatcher, and for flex its
+communication manager, must hold no tensor the forward made: the routing map, the router
+probabilities, the permutation mappings, the token counts, the dispatch handle. The
+probabilities are the router's differentiable output, so holding them keeps the layer's input
+(with recompute, the recomputed input) and its gradient alive until the layer's next forward.
+
+The tests do not list what the dispatchers cache. They compare the tensors a dispatcher
+references through its attributes after a step with those it referenced once built: a tensor
+that is new after the step was left behind by the forward. Tensors built at construction (the
+all-to-all's expert index maps, HybridEP's over-budget flag) are the same objects after a step.
+
+Releasing the state must not change a value: outputs and gradients are bitwise equal to those
+of the same layer with the release switched off, also on the next forward, and a CUDA-graph
+replay of the preprocess (cuda_graph_scope moe_preprocess) still finds what it reads.
 """
 
 import gc
 import weakref
+from typing import Dict, List, Optional, Sequence
 
 import pytest
 import torch
@@ -22,44 +31,22 @@ from megatron.core.transformer.moe import fused_a2a
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import get_submodules
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import is_te_min_version
 from tests.unit_tests.test_utilities import Utils
-
-# What each dispatcher (for flex: its communication manager) sets per forward and reads for the
-# last time in combine. Only tensors (or tuples of tensors) count as held.
-TRANSIENT_ATTRS = {
-    "MoEAllGatherTokenDispatcher": (
-        "routing_map",
-        "local_map",
-        "local_probs",
-        "reversed_local_input_permutation_mapping",
-    ),
-    "MoEAlltoAllTokenDispatcher": (
-        "probs",
-        "routing_map",
-        "reversed_local_input_permutation_mapping",
-        "tokens_per_expert",
-        "num_global_tokens_per_local_expert",
-    ),
-    "_HybridEPManager": (
-        "routing_map",
-        "token_probs",
-        "dispatched_probs",
-        "tokens_per_expert",
-        "handle",
-    ),
-    "_DeepepManager": (
-        "token_probs",
-        "token_indices",
-        "dispatched_indices",
-        "dispatched_probs",
-        "dispatched_routing_map",
-        "reversed_mapping_for_combine",
-        "handle",
-    ),
-}
 
 SEQ_LEN = 16
 MICRO_BATCH = 2
+NUM_EXPERTS = 8
+
+# What a HybridEP manager in drop-and-pad mode keeps on purpose: both come from static shapes,
+# and a CUDA-graph replay of the preprocess reads them without re-running setup_metadata.
+HYBRIDEP_DROP_AND_PAD_KEPT = ("tokens_per_expert", "num_permuted_tokens")
+
+DROP_AND_PAD = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+SHARED_EXPERTS = dict(moe_shared_expert_intermediate_size=64)
+SHARED_EXPERTS_OVERLAP = dict(
+    moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True
+)
 
 
 def is_deep_ep_available() -> bool:
@@ -72,53 +59,45 @@ def is_hybrid_ep_available() -> bool:
     return fused_a2a.HAVE_HYBRIDEP
 
 
-def _holds_tensor(value) -> bool:
-    if torch.is_tensor(value):
-        return True
-    if isinstance(value, (tuple, list)):
-        return any(_holds_tensor(v) for v in value)
-    return False
-
-
-def held_state(dispatcher) -> list:
-    """The per-forward attributes still holding a tensor on the dispatcher and its manager."""
-    holders = [dispatcher]
-    if hasattr(dispatcher, "_comm_manager"):
-        holders.append(dispatcher._comm_manager)
-    held = []
-    for obj in holders:
-        attrs = TRANSIENT_ATTRS.get(type(obj).__name__, ())
-        held += [f"{type(obj).__name__}.{a}" for a in attrs if _holds_tensor(getattr(obj, a, None))]
-    return held
+@pytest.fixture
+def deterministic():
+    """Deterministic kernels (scatter_add and index_add included), so that two runs of the same
+    layer on the same input can be compared bitwise."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 def build_moe_layer(
     dispatcher_type: str,
     tp_size: int,
     ep_size: int,
-    recompute: bool,
-    flex_backend: str = None,
+    recompute: bool = False,
+    flex_backend: Optional[str] = None,
     dtype: torch.dtype = torch.float32,
     hidden_size: int = 64,
+    **config_kwargs,
 ) -> MoELayer:
-    """A small MoELayer with local (non-TE) experts, as in test_moe_layer.py."""
+    """A small MoELayer with local (non-TE) experts, as in test_moe_layer.py; config_kwargs go
+    to TransformerConfig."""
     Utils.initialize_model_parallel(
         tensor_model_parallel_size=tp_size, expert_model_parallel_size=ep_size
     )
     torch.manual_seed(123)
     model_parallel_cuda_manual_seed(123)
-    num_moe_experts = 8
-    recompute_kwargs = (
-        dict(recompute_granularity="selective", recompute_modules=["moe"]) if recompute else {}
-    )
+    if recompute:
+        config_kwargs.update(recompute_granularity="selective", recompute_modules=["moe"])
+    if flex_backend is not None:
+        config_kwargs.update(moe_flex_dispatcher_backend=flex_backend)
     config = TransformerConfig(
         num_layers=1,
         hidden_size=hidden_size,
         num_attention_heads=4,
-        num_moe_experts=num_moe_experts,
+        num_moe_experts=NUM_EXPERTS,
         use_cpu_initialization=True,
         moe_token_dispatcher_type=dispatcher_type,
-        moe_flex_dispatcher_backend=flex_backend,
         moe_router_load_balancing_type="aux_loss",
         moe_router_topk=2,
         moe_aux_loss_coeff=0.01,
@@ -131,10 +110,10 @@ def build_moe_layer(
         sequence_parallel=tp_size > 1,
         bf16=dtype == torch.bfloat16,
         params_dtype=dtype,
-        **recompute_kwargs,
+        **config_kwargs,
     )
     submodules = get_submodules(
-        get_gpt_layer_local_submodules(num_experts=num_moe_experts, moe_grouped_gemm=False).mlp
+        get_gpt_layer_local_submodules(num_experts=NUM_EXPERTS, moe_grouped_gemm=False).mlp
     )
     assert isinstance(submodules, MoESubmodules)
     layer = MoELayer(config, submodules).cuda().to(dtype=dtype)
@@ -142,8 +121,26 @@ def build_moe_layer(
     return layer
 
 
+def build_flex_layer(backend: str, recompute: bool = False, **config_kwargs) -> MoELayer:
+    """A flex-dispatcher MoELayer at EP8 on ``backend``; skips where that backend is missing."""
+    if backend == "deepep" and not is_deep_ep_available():
+        pytest.skip("Deep EP is not available")
+    if backend == "hybridep" and not is_hybrid_ep_available():
+        pytest.skip("Hybrid EP is not available")
+    return build_moe_layer(
+        "flex",
+        tp_size=1,
+        ep_size=8,
+        recompute=recompute,
+        flex_backend=backend,
+        dtype=torch.bfloat16,
+        hidden_size=1024,
+        **config_kwargs,
+    )
+
+
 def make_input(layer: MoELayer) -> torch.Tensor:
-    """A per-rank input leaf (the local sequence shard under sequence parallelism)."""
+    """A per-rank input (the local sequence shard under sequence parallelism)."""
     torch.manual_seed(1000 + torch.distributed.get_rank())
     return torch.randn(
         SEQ_LEN,
@@ -152,6 +149,69 @@ def make_input(layer: MoELayer) -> torch.Tensor:
         dtype=layer.config.params_dtype,
         device=torch.cuda.current_device(),
     )
+
+
+def _tensors(value, depth: int = 0) -> List[torch.Tensor]:
+    """The tensors in ``value``, also inside tuples, lists and dicts (a dispatch handle)."""
+    if torch.is_tensor(value):
+        return [value]
+    if depth < 3 and isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v, depth + 1)]
+    if depth < 3 and isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v, depth + 1)]
+    return []
+
+
+def tensor_state(dispatcher) -> Dict[str, List[torch.Tensor]]:
+    """The tensors the dispatcher and, for flex, its communication manager reference through
+    their attributes, by ``Class.attribute`` (modules such as the shared experts excluded)."""
+    owners = [dispatcher]
+    if getattr(dispatcher, "_comm_manager", None) is not None:
+        owners.append(dispatcher._comm_manager)
+    state = {}
+    for owner in owners:
+        for attr, value in vars(owner).items():
+            if isinstance(value, torch.nn.Module):
+                continue
+            tensors = _tensors(value)
+            if tensors:
+                state[f"{type(owner).__name__}.{attr}"] = tensors
+    return state
+
+
+def left_by_forward(
+    before: Dict[str, List[torch.Tensor]], dispatcher, kept: Sequence[str] = ()
+) -> List[str]:
+    """The attributes that reference a tensor they did not reference in ``before`` (the state
+    after construction): what the forward left on the dispatcher. ``kept`` names attributes
+    allowed to stay."""
+    left = []
+    for name, tensors in tensor_state(dispatcher).items():
+        if name.split(".", 1)[1] in kept:
+            continue
+        built = {id(t) for t in before.get(name, ())}
+        if any(id(t) not in built for t in tensors):
+            left.append(name)
+    return left
+
+
+def check_release(layer: MoELayer, kept: Sequence[str] = ()) -> None:
+    """After forward+backward the dispatcher holds no tensor of that forward, and the layer's
+    input (and with it its gradient) is freed once the caller drops it."""
+    before = tensor_state(layer.token_dispatcher)
+    for step in range(2):
+        x = make_input(layer).requires_grad_(True)
+        x_ref = weakref.ref(x)
+        output, _ = layer(x)
+        output.backward(torch.ones_like(output))
+        torch.cuda.synchronize()
+        assert x.grad is not None
+        del x, output
+        gc.collect()
+
+        left = left_by_forward(before, layer.token_dispatcher, kept)
+        assert not left, f"step {step}: the dispatcher still holds the forward's tensors: {left}"
+        assert x_ref() is None, f"step {step}: the layer's input is alive after forward+backward"
 
 
 def forward_backward(layer: MoELayer, inp: torch.Tensor) -> tuple:
@@ -164,40 +224,67 @@ def forward_backward(layer: MoELayer, inp: torch.Tensor) -> tuple:
     return output.detach(), x.grad.detach(), grads
 
 
-def check_release(layer: MoELayer) -> None:
-    """After forward+backward the dispatcher holds no per-forward tensor and the layer's input
-    (and with it its gradient) is freed once the caller drops it."""
-    x = make_input(layer).requires_grad_(True)
-    x_ref = weakref.ref(x)
-    output, _ = layer(x)
-    output.backward(torch.ones_like(output))
-    torch.cuda.synchronize()
-    assert x.grad is not None
-    del x, output
-    gc.collect()
-
-    held = held_state(layer.token_dispatcher)
-    assert not held, f"the dispatcher still holds per-forward state after backward: {held}"
-    assert x_ref() is None, "the layer's input is still alive after forward+backward"
-
-
 def check_outputs_unchanged(layer: MoELayer, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Outputs and gradients are those of the same layer with the release switched off, and a
-    second forward after a release matches the first."""
+    """Outputs and gradients are bitwise those of the same layer with the release switched off,
+    and the forward after a release gives them again."""
     inp = make_input(layer)
-    dispatcher_cls = type(layer.token_dispatcher)
     monkeypatch.setattr(
-        dispatcher_cls, "reset_transient_forward_state", lambda self: None, raising=False
+        type(layer.token_dispatcher),
+        "reset_transient_forward_state",
+        lambda self: None,
+        raising=False,
     )
     ref_out, ref_dgrad, ref_wgrads = forward_backward(layer, inp)
     monkeypatch.undo()
-    for _ in range(2):
+    for step in range(2):
         out, dgrad, wgrads = forward_backward(layer, inp)
-        torch.testing.assert_close(out, ref_out)
-        torch.testing.assert_close(dgrad, ref_dgrad)
+        assert torch.equal(out, ref_out), f"step {step}: output differs"
+        assert torch.equal(dgrad, ref_dgrad), f"step {step}: input gradient differs"
         assert wgrads.keys() == ref_wgrads.keys()
         for name, grad in wgrads.items():
-            torch.testing.assert_close(grad, ref_wgrads[name], msg=name)
+            assert torch.equal(grad, ref_wgrads[name]), f"step {step}: {name}.grad differs"
+
+
+def check_preprocess_graph_replay(layer: MoELayer) -> None:
+    """A partial CUDA graph over the router and the preprocess (cuda_graph_scope moe_router
+    and moe_preprocess), as TransformerLayer uses it: the capture returns the tensors named in
+    the dispatcher's cudagraph_attrs and records them in valid_cudagraph_attrs; a replay writes
+    them back and runs dispatch, experts and combine eagerly, reading whatever else the
+    preprocess left, after the previous forward's combine released its state. Here the
+    'replay' returns the captured forward's tensors themselves; its output must be bitwise the
+    eager forward's."""
+    dispatcher = layer.token_dispatcher
+    x = make_input(layer)
+    with torch.no_grad():
+        eager, _ = layer(x)
+        # Capture: the router and the preprocess; the dispatcher attributes as outputs.
+        probs, routing_map = layer.route(x)
+        hidden, probs = layer.preprocess(x, probs, routing_map)
+        captured = {}
+        for attr_name in dispatcher.cudagraph_attrs:
+            owner = dispatcher
+            for part in attr_name.split("."):
+                owner = getattr(owner, part, None)
+            if torch.is_tensor(owner):
+                captured[attr_name] = owner
+        dispatcher.valid_cudagraph_attrs = list(captured)
+        try:
+            out, _ = layer.dispatch(hidden, probs)
+            out, _ = layer.routed_experts_compute(out, _)
+            layer.postprocess(layer.combine(out), None)  # releases the forward's state
+            # Replay: the captured attributes written back, then the eager rest of the layer.
+            for attr_name, value in captured.items():
+                owner = dispatcher
+                *path, leaf = attr_name.split(".")
+                for part in path:
+                    owner = getattr(owner, part)
+                setattr(owner, leaf, value)
+            out, _ = layer.dispatch(hidden, probs)
+            out, _ = layer.routed_experts_compute(out, _)
+            replayed = layer.postprocess(layer.combine(out), None)
+        finally:
+            dispatcher.valid_cudagraph_attrs = None
+    assert torch.equal(replayed, eager), "the preprocess replay after a release differs"
 
 
 class TestDispatcherStateRelease:
@@ -218,13 +305,54 @@ class TestDispatcherStateRelease:
         check_release(layer)
 
     @pytest.mark.internal
+    @pytest.mark.parametrize(
+        "moe_token_dispatcher_type,variant",
+        [
+            ("alltoall", DROP_AND_PAD),
+            ("alltoall", SHARED_EXPERTS),
+            ("alltoall", SHARED_EXPERTS_OVERLAP),
+            ("allgather", DROP_AND_PAD),
+            ("allgather", SHARED_EXPERTS),
+        ],
+        ids=[
+            "alltoall-drop_and_pad",
+            "alltoall-shared_experts",
+            "alltoall-shared_experts_overlap",
+            "allgather-drop_and_pad",
+            "allgather-shared_experts",
+        ],
+    )
+    def test_state_released_with_variant(self, moe_token_dispatcher_type, variant):
+        layer = build_moe_layer(moe_token_dispatcher_type, 2, 4, recompute=True, **variant)
+        check_release(layer)
+
+    @pytest.mark.skipif(not is_te_min_version("2.1.0"), reason="moe_permute_fusion needs TE 2.1")
+    @pytest.mark.internal
+    @pytest.mark.parametrize("moe_token_dispatcher_type", ["allgather", "alltoall"])
+    def test_state_released_with_permute_fusion(self, moe_token_dispatcher_type):
+        layer = build_moe_layer(moe_token_dispatcher_type, 1, 8, moe_permute_fusion=True)
+        check_release(layer)
+
+    @pytest.mark.internal
     @pytest.mark.parametrize("moe_token_dispatcher_type", ["allgather", "alltoall"])
     @pytest.mark.parametrize("tp_size,ep_size", [(1, 8), (2, 4)])
     def test_release_keeps_outputs_and_grads(
-        self, moe_token_dispatcher_type, tp_size, ep_size, monkeypatch
+        self, moe_token_dispatcher_type, tp_size, ep_size, monkeypatch, deterministic
     ):
         layer = build_moe_layer(moe_token_dispatcher_type, tp_size, ep_size, recompute=True)
         check_outputs_unchanged(layer, monkeypatch)
+
+    @pytest.mark.internal
+    @pytest.mark.parametrize(
+        "moe_token_dispatcher_type,variant",
+        [("alltoall", {}), ("alltoall", DROP_AND_PAD), ("allgather", {})],
+        ids=["alltoall", "alltoall-drop_and_pad", "allgather"],
+    )
+    def test_preprocess_graph_replay_after_release(
+        self, moe_token_dispatcher_type, variant, deterministic
+    ):
+        layer = build_moe_layer(moe_token_dispatcher_type, 2, 4, **variant)
+        check_preprocess_graph_replay(layer)
 
 
 @pytest.mark.skipif(
@@ -239,42 +367,37 @@ class TestFlexDispatcherStateRelease:
         fused_a2a.reset_hybrid_ep_buffer()
         Utils.destroy_model_parallel()
 
-    @staticmethod
-    def _skip_unavailable(backend: str) -> None:
-        if backend == "deepep" and not is_deep_ep_available():
-            pytest.skip("Deep EP is not available")
-        if backend == "hybridep" and not is_hybrid_ep_available():
-            pytest.skip("Hybrid EP is not available")
-
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
     @pytest.mark.parametrize("moe_flex_dispatcher_backend", ["deepep", "hybridep"])
     @pytest.mark.parametrize("recompute", [False, True])
     def test_state_released_after_backward(self, moe_flex_dispatcher_backend, recompute):
-        self._skip_unavailable(moe_flex_dispatcher_backend)
-        layer = build_moe_layer(
-            "flex",
-            tp_size=1,
-            ep_size=8,
-            recompute=recompute,
-            flex_backend=moe_flex_dispatcher_backend,
-            dtype=torch.bfloat16,
-            hidden_size=1024,
-        )
+        layer = build_flex_layer(moe_flex_dispatcher_backend, recompute=recompute)
+        check_release(layer)
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+    @pytest.mark.internal
+    def test_hybridep_drop_and_pad_keeps_only_static_counts(self):
+        layer = build_flex_layer("hybridep", recompute=True, **DROP_AND_PAD)
+        check_release(layer, kept=HYBRIDEP_DROP_AND_PAD_KEPT)
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+    @pytest.mark.internal
+    def test_hybridep_state_released_with_shared_experts_overlap(self):
+        layer = build_flex_layer("hybridep", recompute=True, **SHARED_EXPERTS_OVERLAP)
         check_release(layer)
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
     @pytest.mark.parametrize("moe_flex_dispatcher_backend", ["deepep", "hybridep"])
-    def test_release_keeps_outputs_and_grads(self, moe_flex_dispatcher_backend, monkeypatch):
-        self._skip_unavailable(moe_flex_dispatcher_backend)
-        layer = build_moe_layer(
-            "flex",
-            tp_size=1,
-            ep_size=8,
-            recompute=True,
-            flex_backend=moe_flex_dispatcher_backend,
-            dtype=torch.bfloat16,
-            hidden_size=1024,
-        )
+    def test_release_keeps_outputs_and_grads(
+        self, moe_flex_dispatcher_backend, monkeypatch, deterministic
+    ):
+        layer = build_flex_layer(moe_flex_dispatcher_backend, recompute=True)
         check_outputs_unchanged(layer, monkeypatch)
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+    @pytest.mark.internal
+    def test_hybridep_drop_and_pad_preprocess_graph_replay(self, deterministic):
+        layer = build_flex_layer("hybridep", **DROP_AND_PAD)
+        check_preprocess_graph_replay(layer)

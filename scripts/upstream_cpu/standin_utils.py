@@ -2,7 +2,7 @@
 
 """Stand-in for upstream Megatron-LM's ``tests/unit_tests/test_utilities.py`` (``Utils``).
 
-The PyPI sdist our trees come from has no ``tests/``, so ``test_upstream_cpu.py`` runs our
+The PyPI sdist our trees come from has no ``tests/``, so :mod:`upstream_cpu.per_patch` runs our
 upstream-layout tests (``patches/upstream/tests/...``) in a scratch checkout built around a
 materialized tree, with this file copied in as ``tests/unit_tests/test_utilities.py``. It has
 the part of upstream's ``Utils`` those tests use, with upstream's behaviour: the process group
