@@ -53,9 +53,13 @@ TOPICS = ("memory", *PR_TOPICS, "cpu-import")
 # the message of the patch that adds them: patches/upstream/tests-message-<topic>.txt.
 TOPIC_TESTS = {
     "dispatcher-state": ("test_token_dispatcher_state_release.py",),
-    "a2a-overlap": (),
+    "a2a-overlap": ("test_schedule_state_release.py",),
     "comm-buffers": ("test_fused_a2a_release_comm_buffers.py",),
+    "cpu-import": ("test_paged_stash_import.py",),
 }
+# A test file that is about one module, by the module: exported only to a target whose series
+# changes it (the CPU-import fix of release branches without the paged stash is another change).
+TEST_REQUIRES = {"test_paged_stash_import.py": "megatron/core/transformer/moe/paged_stash.py"}
 # A paragraph of a series message that starts so is the overlay's own evidence (commands of this
 # repository); the export, whose reader has only Megatron-LM, leaves it out.
 OVERLAY_PARAGRAPH = "moe-release: "
@@ -107,9 +111,13 @@ def upstream_message(patch: Patch, name: str, email: str) -> str:
     trailer = re.compile("^(" + "|".join(OVERLAY_TRAILERS) + "): ")
     while lines and (trailer.match(lines[-1]) or not lines[-1].strip()):
         lines.pop()
-    paragraphs = "\n".join(lines).split("\n\n")
-    kept = [p for p in paragraphs if not p.startswith(OVERLAY_PARAGRAPH)]
-    return "\n\n".join(kept) + f"\n\nSigned-off-by: {name} <{email}>\n"
+    return without_overlay_paragraphs("\n".join(lines)) + f"\n\nSigned-off-by: {name} <{email}>\n"
+
+
+def without_overlay_paragraphs(text: str) -> str:
+    """``text`` without its paragraphs of overlay evidence (:data:`OVERLAY_PARAGRAPH`)."""
+    paragraphs = text.split("\n\n")
+    return "\n\n".join(p for p in paragraphs if not p.startswith(OVERLAY_PARAGRAPH))
 
 
 def _slug(subject: str) -> str:
@@ -193,14 +201,13 @@ def new_files_diff(files: dict[str, bytes]) -> bytes:
 
 
 def topic_test_files(topic: str, root: Path = REPO_ROOT) -> dict[str, bytes]:
-    """The upstream-layout test files ``topic`` adds (all of them for ``memory``, none for
-    ``cpu-import``); a file :data:`TOPIC_TESTS` names that does not exist is an error."""
-    if topic == "cpu-import":
-        return {}
+    """The upstream-layout test files ``topic`` adds (for ``memory``, those of its three PRs);
+    a file :data:`TOPIC_TESTS` names that does not exist is an error."""
     files = upstream_test_files(root)
     if topic == "memory":
-        return files
-    names = TOPIC_TESTS[topic]
+        names = tuple(n for t in PR_TOPICS for n in TOPIC_TESTS[t])
+    else:
+        names = TOPIC_TESTS[topic]
     files = {p: d for p, d in files.items() if p.rsplit("/", 1)[-1] in names}
     missing = set(names) - {p.rsplit("/", 1)[-1] for p in files}
     if missing:
@@ -208,10 +215,27 @@ def topic_test_files(topic: str, root: Path = REPO_ROOT) -> dict[str, bytes]:
     return files
 
 
-def _tests_patch(topic: str, root: Path = REPO_ROOT) -> Optional[tuple[str, str, bytes]]:
-    """(subject, message, diff) of the patch adding ``topic``'s upstream-layout tests (all of
-    them for ``memory``), or None."""
-    files = topic_test_files(topic, root)
+def export_test_files(topic: str, series: list, root: Path = REPO_ROOT) -> dict[str, bytes]:
+    """The upstream-layout test files a PR of ``topic`` adds on a target whose topic series is
+    ``series``: none where the series is empty (no tests-only PR), and a file of
+    :data:`TEST_REQUIRES` only where the series changes the module it tests."""
+    if not series:
+        return {}
+    touched = {fp.path for name, data in series for fp in parse_patch(data, name).files}
+
+    def wanted(path: str) -> bool:
+        module = TEST_REQUIRES.get(path.rsplit("/", 1)[-1])
+        return module is None or module in touched
+
+    return {p: d for p, d in topic_test_files(topic, root).items() if wanted(p)}
+
+
+def _tests_patch(
+    topic: str, series: list, root: Path = REPO_ROOT
+) -> Optional[tuple[str, str, bytes]]:
+    """(subject, message, diff) of the patch adding ``topic``'s upstream-layout tests (those of
+    the three PRs for ``memory``) on a target whose topic series is ``series``, or None."""
+    files = export_test_files(topic, series, root)
     if not files:
         return None
     message = UPSTREAM_TESTS_MESSAGE
@@ -221,7 +245,7 @@ def _tests_patch(topic: str, root: Path = REPO_ROOT) -> Optional[tuple[str, str,
         raise UserError(f"{message}: missing (the message of the {topic} tests patch)")
     text = (root / message).read_text().strip("\n")
     subject, _, body = text.partition("\n")
-    return subject.strip(), body.strip("\n"), new_files_diff(files)
+    return subject.strip(), without_overlay_paragraphs(body.strip("\n")), new_files_diff(files)
 
 
 def export_upstream(
@@ -238,7 +262,7 @@ def export_upstream(
     series = topic_series(series, topic)
     name, email = ident
     last_date = parse_patch(series[-1][1], series[-1][0]).date if series else ""
-    tests = _tests_patch(topic, root)
+    tests = _tests_patch(topic, series, root)
     total = len(series) + (1 if tests else 0)
     try:
         staged = Path(tempfile.mkdtemp(prefix=f".{outdir.name}.tmp-", dir=outdir.parent))
@@ -309,6 +333,12 @@ PR_SUMMARY = {
         "destroy_model_parallel() calls, and DeepEP buffers destroyed explicitly.",
         "Related to #7029 (whose reset_fused_a2a_buffers() name and teardown stage this matches).",
     ),
+    "cpu-import": (
+        "Let megatron.core.pipeline_parallel import where Triton is absent (a CPU-only torch "
+        "build): the paged stash's Triton kernels are imported only when available, and "
+        "enabling the stash without them raises an ImportError that says so.",
+        "none.",
+    ),
 }
 PR_FILE = "PR.md"
 
@@ -318,7 +348,7 @@ def pr_description(target: str, topic: str, series: list, root: Path = REPO_ROOT
     does, the linked issue, the pre-checks as they stand, the commits, the tests and how to run
     them, and what the change does not cover (each commit's own "Not covered")."""
     summary, related = PR_SUMMARY[topic]
-    test_files = sorted(topic_test_files(topic, root))
+    test_files = sorted(export_test_files(topic, series, root))
     box = lambda done: "x" if done else " "  # noqa: E731
     out = [
         "- [ ] I, the PR author, have personally reviewed every line of this PR.",
@@ -356,8 +386,8 @@ def pr_description(target: str, topic: str, series: list, root: Path = REPO_ROOT
     if test_files:
         out += [f"- `{p}`" for p in test_files]
         out += ["", "```sh", "torchrun --nproc-per-node 8 -m pytest " + " ".join(test_files)]
-        out += ["```", "", "Without the commits above their release tests fail (the flex cases"]
-        out += ["need deep_ep and skip without it). No GPU run yet."]
+        out += ["```", "", "Each commit's tests fail on the commit before it and pass on it (the"]
+        out += ["flex cases need deep_ep and skip without it). No GPU run yet."]
     else:
         out += ["No upstream unit test in this PR yet; the commits name what was checked."]
     out += ["", "## Not covered", ""] + [f"- {n}" for n in not_covered] + [""]

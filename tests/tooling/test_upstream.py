@@ -127,7 +127,7 @@ def test_each_pr_gets_a_description_in_upstreams_template(tmp_path, base, topic)
     subject, the tests it adds and how to run them, what it does not cover."""
     export_upstream("core_r0.19.0", tmp_path / "out", IDENT, topic)
     pr = tmp_path / "out" / "PR.md"
-    if topic not in PR_TOPICS:
+    if topic == "memory":
         assert not pr.exists()
         return
     text = pr.read_text()
@@ -146,7 +146,7 @@ def test_export_strips_overlay_trailers_and_signs_off(tmp_path, base, topic):
     series = topic_series(read_series(base), topic)
     paths = export_upstream("core_r0.19.0", tmp_path / "out", IDENT, topic)
     # A topic with upstream-layout tests ends with the patch adding them.
-    total = len(series) + (topic == "memory" or bool(TOPIC_TESTS.get(topic)))
+    total = len(series) + 1
     assert [p.name[:5] for p in paths] == [f"{n:04d}-" for n in range(1, total + 1)]
     for path, (name, data) in zip(paths, series):
         text = path.read_text()
@@ -162,8 +162,8 @@ def test_export_strips_overlay_trailers_and_signs_off(tmp_path, base, topic):
 
 
 def test_memory_export_adds_the_upstream_layout_tests(tmp_path, base):
-    """The last memory patch adds every file under patches/upstream/tests as a new file, byte
-    for byte, with the exporter's sign-off; the cpu-import topic has no such patch."""
+    """The last memory patch adds its three PRs' files under patches/upstream/tests as new
+    files, byte for byte, with the exporter's sign-off; the cpu-import PR adds its own."""
     paths = export_upstream("main", tmp_path / "out", IDENT)
     text = paths[-1].read_text()
     total = len(paths)
@@ -176,9 +176,13 @@ def test_memory_export_adds_the_upstream_layout_tests(tmp_path, base):
     applied.mkdir()
     subprocess.run(["git", "apply", str(paths[-1])], cwd=applied, check=True)
     got = {p.relative_to(applied).as_posix(): p.read_bytes() for p in applied.rglob("*.py")}
-    assert got == files
+    memory = {p: d for p, d in files.items() if not p.endswith("test_paged_stash_import.py")}
+    assert got == memory
     cpu = export_upstream("main", tmp_path / "cpu", IDENT, "cpu-import")
-    assert "test(moe)" not in "".join(p.read_text() for p in cpu)
+    assert (
+        "test(moe)" in cpu[-1].read_text() and "test_paged_stash_import.py" in cpu[-1].read_text()
+    )
+    assert "test_token_dispatcher_state_release.py" not in cpu[-1].read_text()
 
 
 @pytest.mark.parametrize(
@@ -284,3 +288,14 @@ def test_no_series_adds_a_config_field():
         for name, data in patches:
             for fp in parse_patch(data, name).files:
                 assert not fp.path.endswith(configs), f"{target}: {name} changes {fp.path}"
+
+
+@pytest.mark.parametrize("target", ["core_r0.17.0", "core_r0.16.0"])
+def test_no_test_for_a_fix_the_branch_does_not_get(tmp_path, target):
+    """A PR adds only tests of what it changes: the paged-stash import test does not go to
+    release branches without the paged stash (0.17.1's series has no CPU-import patch, 0.16.1's
+    fixes another import), and a topic without patches gets no tests-only PR."""
+    paths = export_upstream(target, tmp_path / "out", IDENT, "cpu-import")
+    text = "".join(p.read_text() for p in paths)
+    assert "test_paged_stash_import.py" not in text
+    assert all("test(moe)" not in p.read_text().split("\n---\n", 1)[0] for p in paths)

@@ -273,8 +273,8 @@ def test_plan_and_evaluate():
     on prefix 0 and the whole series. A test that passes without its patch, or fails for
     another reason, or did not run, is a failed check."""
     e = {
-        2: per_patch.PatchTests("b.patch", ["t::b"], "held", ["t::gb"], []),
-        3: per_patch.PatchTests("c.patch", ["t::c"], "held", [], ["--fp32-gemm"]),
+        2: per_patch.PatchTests("b.patch", ["t::b"], ["held"], ["t::gb"], []),
+        3: per_patch.PatchTests("c.patch", ["t::c"], ["other", "held"], [], ["--fp32-gemm"]),
     }
     launches = per_patch.plan(e, ends=False, n=3)
     assert [(x.prefix, x.tests, x.options) for x in launches] == [

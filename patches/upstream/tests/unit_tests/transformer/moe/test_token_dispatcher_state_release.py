@@ -15,7 +15,8 @@ all-to-all's expert index maps, HybridEP's over-budget flag) are the same object
 
 Releasing the state must not change a value: outputs and gradients are bitwise equal to those
 of the same layer with the release switched off, also on the next forward, and a CUDA-graph
-replay of the preprocess (cuda_graph_scope moe_preprocess) still finds what it reads.
+replay of the preprocess (cuda_graph_scope moe_preprocess) still finds what it reads. Run on
+another stream, as under the 1F1B A2A overlap, the release records what it drops on that stream.
 """
 
 import gc
@@ -245,6 +246,52 @@ def check_outputs_unchanged(layer: MoELayer, monkeypatch: pytest.MonkeyPatch) ->
             assert torch.equal(grad, ref_wgrads[name]), f"step {step}: {name}.grad differs"
 
 
+def check_release_records_on_current_stream(
+    layer: MoELayer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """reset_transient_forward_state() run on another stream than the forward's (under the 1F1B
+    A2A overlap combine runs on the communication stream) records every device tensor it drops
+    on that stream first, so that the caching allocator does not hand the memory back to the
+    stream that made it while work queued on the other may still read it. Host tensors are not
+    recorded: record_stream is a CUDA-only kernel."""
+    dispatcher = layer.token_dispatcher
+    before = tensor_state(dispatcher)
+    # Keep the forward's state past combine, to drop it on another stream below.
+    monkeypatch.setattr(
+        type(dispatcher), "reset_transient_forward_state", lambda self: None, raising=False
+    )
+    output, _ = layer(make_input(layer).requires_grad_(True))
+    output.backward(torch.ones_like(output))
+    monkeypatch.undo()
+    built = {id(t) for tensors in before.values() for t in tensors}
+    held = {
+        id(t): (name, t)
+        for name, tensors in tensor_state(dispatcher).items()
+        for t in tensors
+        if id(t) not in built
+    }
+    recorded = []
+    record_stream = torch.Tensor.record_stream
+
+    def record(tensor, stream):
+        recorded.append((id(tensor), stream))
+        return record_stream(tensor, stream)
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", record)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        dispatcher.reset_transient_forward_state()
+    torch.cuda.current_stream().wait_stream(side)
+    monkeypatch.undo()
+
+    left = left_by_forward(before, dispatcher)
+    assert not left, f"the dispatcher still holds the forward's tensors after the reset: {left}"
+    on_side = {i for i, stream in recorded if stream == side}
+    missing = sorted({held[i][0] for i, (_, t) in held.items() if t.is_cuda and i not in on_side})
+    assert not missing, f"dropped on another stream without a record_stream: {missing}"
+
+
 def check_preprocess_graph_replay(layer: MoELayer) -> None:
     """A partial CUDA graph over the router and the preprocess (cuda_graph_scope moe_router
     and moe_preprocess), as TransformerLayer uses it: the capture returns the tensors named in
@@ -343,6 +390,12 @@ class TestDispatcherStateRelease:
         check_outputs_unchanged(layer, monkeypatch)
 
     @pytest.mark.internal
+    @pytest.mark.parametrize("moe_token_dispatcher_type", ["allgather", "alltoall"])
+    def test_release_records_on_current_stream(self, moe_token_dispatcher_type, monkeypatch):
+        layer = build_moe_layer(moe_token_dispatcher_type, 2, 4)
+        check_release_records_on_current_stream(layer, monkeypatch)
+
+    @pytest.mark.internal
     @pytest.mark.parametrize(
         "moe_token_dispatcher_type,variant",
         [("alltoall", {}), ("alltoall", DROP_AND_PAD), ("allgather", {})],
@@ -395,6 +448,13 @@ class TestFlexDispatcherStateRelease:
     ):
         layer = build_flex_layer(moe_flex_dispatcher_backend, recompute=True)
         check_outputs_unchanged(layer, monkeypatch)
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+    @pytest.mark.internal
+    @pytest.mark.parametrize("moe_flex_dispatcher_backend", ["deepep", "hybridep"])
+    def test_release_records_on_current_stream(self, moe_flex_dispatcher_backend, monkeypatch):
+        layer = build_flex_layer(moe_flex_dispatcher_backend)
+        check_release_records_on_current_stream(layer, monkeypatch)
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
