@@ -7,8 +7,9 @@ import its Triton kernels unconditionally, so ``import megatron.core.pipeline_pa
 wherever Triton is absent. Only enabling the stash needs Triton: ``paged_stash_reset(enabled=True)``
 must then raise an ImportError that names it.
 
-The test imports the two modules again with Triton made unimportable (``sys.modules`` maps it to
-None, so ``import triton`` raises ModuleNotFoundError), then puts every module back as it was.
+The test imports the schedules, the stash and its kernels again with Triton made unimportable
+(``sys.modules`` maps it to None, so ``import triton`` raises ModuleNotFoundError), then puts
+every module back as it was.
 """
 
 import importlib
@@ -16,26 +17,25 @@ import sys
 
 import pytest
 
-# Imported again without Triton: the kernels, the stash that imports them, the schedules that
-# import the stash.
-RELOADED = (
-    "megatron.core.transformer.moe.ops.paged_stash",
-    "megatron.core.transformer.moe.paged_stash",
-    "megatron.core.pipeline_parallel.schedules",
-)
+SCHEDULES = "megatron.core.pipeline_parallel.schedules"
+
+
+def _reimported(name: str) -> bool:
+    """Whether ``name`` is imported again without Triton: the schedules, the stash and its
+    kernels (wherever a branch keeps them)."""
+    return name == SCHEDULES or (name.startswith("megatron.") and "paged_stash" in name)
 
 
 @pytest.fixture
 def without_triton(monkeypatch):
-    """Triton unimportable, and RELOADED not yet imported; sys.modules restored afterwards."""
-    for name in RELOADED:
-        importlib.import_module(name.rsplit(".", 1)[0])  # the parent packages stay
+    """Triton unimportable and the modules to import again dropped; sys.modules restored
+    afterwards."""
+    importlib.import_module(SCHEDULES)  # imports the stash (and its kernels) as it is
     saved = dict(sys.modules)
-    for name in [n for n in sys.modules if n == "triton" or n.startswith("triton.")]:
-        monkeypatch.delitem(sys.modules, name)
+    for name in list(sys.modules):
+        if name == "triton" or name.startswith("triton.") or _reimported(name):
+            monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "triton", None)
-    for name in RELOADED:
-        monkeypatch.delitem(sys.modules, name, raising=False)
     yield
     monkeypatch.undo()
     sys.modules.clear()
@@ -44,7 +44,7 @@ def without_triton(monkeypatch):
 
 def test_schedules_import_without_triton_and_paged_stash_names_it(without_triton):
     try:
-        importlib.import_module("megatron.core.pipeline_parallel.schedules")
+        importlib.import_module(SCHEDULES)
     except ImportError as exc:
         pytest.fail(
             f"megatron.core.pipeline_parallel.schedules does not import without Triton: {exc}"
