@@ -121,8 +121,6 @@ def run_distributed(
             "backend": backend,
             # torch.compile traces the function mode's handlers; those jobs run without it.
             "placement": placement_rules_enabled() and not torch_compile,
-            # Hung ranks print their stacks shortly before the parent kills them.
-            "dump_after": max(timeout - 10.0, 1.0),
         }
         (job / "spec.pkl").write_bytes(pickle.dumps(spec))
         procs, logs = [], []
@@ -147,6 +145,8 @@ def run_distributed(
                     )
                 )
             failed = _wait_all(procs, time.monotonic() + timeout)
+            if failed == "timeout":
+                _dump_stacks(procs)
         finally:
             for p in procs:
                 _kill(p)
@@ -324,6 +324,27 @@ def _wait_all(procs: List[subprocess.Popen], deadline: float) -> Optional[str]:
         time.sleep(0.05)
 
 
+# A rank prints every thread's stack on this signal (faulthandler); the launcher sends it to the
+# ranks of a job that timed out, before it kills them. A timer in the rank would instead dump
+# at a fixed time, whatever the rank is doing then: faulthandler reads the frames without the
+# GIL, and a dump that lands while the main thread is importing can crash the rank (SIGSEGV),
+# which then reads as a failure, not as the hang it was.
+_DUMP_SIGNAL = signal.SIGUSR1
+
+
+def _dump_stacks(procs, wait: float = 2.0) -> None:
+    """Ask each live rank for its stacks and give them ``wait`` seconds to be written."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        try:
+            os.kill(p.pid, _DUMP_SIGNAL)
+        except ProcessLookupError:
+            pass
+    end = time.monotonic() + wait
+    while live and time.monotonic() < end:
+        time.sleep(0.2)  # the dump is a few write() calls from the signal handler
+
+
 def _kill(p) -> None:
     if p.poll() is None:
         try:
@@ -341,7 +362,7 @@ def _rank_main(job: Path) -> int:
     rank = int(os.environ["RANK"])
     try:
         spec = pickle.loads((job / "spec.pkl").read_bytes())
-        faulthandler.dump_traceback_later(spec["dump_after"], exit=False)
+        faulthandler.register(_DUMP_SIGNAL, all_threads=True)
         import torch
 
         torch.set_num_threads(1)

@@ -75,6 +75,8 @@ def test_a_hung_forked_rank_is_killed(patched_tree, monkeypatch, tmp_path):
     with pytest.raises(DistributedTestError, match="timed out after 5s") as err:
         run_distributed(f"{THIS}:rank_hang", 2, patched_tree, {"pid_dir": str(tmp_path)}, timeout=5)
     assert "exit code -9" in str(err.value)
+    # Each rank printed its stacks when it timed out (the launcher's signal), where it hung.
+    assert str(err.value).count(" in rank_hang\n") == 2, str(err.value)
     for rank in (0, 1):
         assert not launcher._pid_alive(int((tmp_path / f"{rank}.pid").read_text()))
     # The zygote that served this job (most recently used: last) survives its ranks' kill. An
