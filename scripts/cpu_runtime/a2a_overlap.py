@@ -103,33 +103,77 @@ def batches(cfg: Dict[str, Any]) -> List[Dict[str, torch.Tensor]]:
     return out
 
 
-def overlap_config(cfg: Dict[str, Any]):
-    """The GPT config: bf16 (the overlap requires bf16/fp16), no recompute, EP = world size."""
+def pipeline_sizes(cfg: Dict[str, Any]):
+    """(pp, vpp, ep) of a run: cfg['pp'] stages (default 1) of cfg['vpp'] virtual stages
+    (default None), EP over the remaining ranks."""
     import torch.distributed as dist
 
+    pp = cfg.get("pp", 1)
+    return pp, cfg.get("vpp"), dist.get_world_size() // pp
+
+
+def overlap_config(cfg: Dict[str, Any]):
+    """The GPT config: bf16 (the overlap requires bf16/fp16), no recompute, EP = world size
+    (over the pipeline stages with cfg['pp']), and pipeline p2p as Megatron-LM trains."""
     from cpu_runtime.moe_harness import gpt_moe_config
 
+    pp, vpp, ep = pipeline_sizes(cfg)
+    pipeline = {}
+    if pp > 1:
+        pipeline = dict(
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+            pipeline_dtype=torch.bfloat16,
+            # Megatron-LM's training arguments: overlapped, unbatched p2p for an interleaved
+            # schedule; batched for 1F1B without interleaving (which refuses the overlap).
+            overlap_p2p_comm=vpp is not None,
+            batch_p2p_comm=vpp is None,
+        )
     return gpt_moe_config(
         cfg,
-        dist.get_world_size(),
+        ep,
         dtype=torch.bfloat16,
         overlap_moe_expert_parallel_comm=cfg["overlap"],
-        **cfg.get("config_overrides", {}),
+        **dict(pipeline, **cfg.get("config_overrides", {})),
     )
 
 
 def build_gpt(cfg: Dict[str, Any]):
     """megatron-core GPTModel on the local spec, every layer MoE, seeded."""
+    return build_gpt_chunks(cfg)[0]
+
+
+def build_gpt_chunks(cfg: Dict[str, Any]) -> List[Any]:
+    """One GPTModel per virtual pipeline stage of this rank, as megatron's ``get_model`` builds
+    them (pre/post-process by stage, ``vp_stage``); one model without pipelining."""
+    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from cpu_runtime.moe_harness import gpt_model
+    from cpu_runtime.moe_harness import gpt_model, on_device
+    from megatron.core import parallel_state
 
     config = overlap_config(cfg)
     spec = get_gpt_layer_local_spec(num_experts=cfg["experts"], moe_grouped_gemm=False)
+    pp, vpp, _ = pipeline_sizes(cfg)
     torch.manual_seed(cfg["seed"])
-    model = gpt_model(config, cfg, spec)
-    # As megatron's Float16Module does for a bf16 run: every parameter in bf16.
-    return model.bfloat16()
+    if pp == 1:
+        # As megatron's Float16Module does for a bf16 run: every parameter in bf16.
+        return [gpt_model(config, cfg, spec).bfloat16()]
+    chunks = []
+    for stage in range(vpp or 1):
+        stage_arg = stage if vpp else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=cfg["vocab"],
+            max_sequence_length=cfg["seq"],
+            position_embedding_type="learned_absolute",
+            pre_process=parallel_state.is_pipeline_first_stage(False, vp_stage=stage_arg),
+            post_process=parallel_state.is_pipeline_last_stage(False, vp_stage=stage_arg),
+            vp_stage=stage_arg,
+        )
+        chunks.append(on_device(model).bfloat16())
+    return chunks
 
 
 def _loss_func(output: torch.Tensor):
@@ -167,15 +211,16 @@ def overlap_run(cfg: Dict[str, Any]) -> Dict[str, Any]:
     if cfg.get("measure"):
         cpu_memory.install()
         counter = cpu_memory.memory_allocated
-    init_megatron(ep=torch.distributed.get_world_size(), seed=cfg["seed"])
+    pp, vpp, ep = pipeline_sizes(cfg)
+    init_megatron(ep=ep, pp=pp, vpp=vpp, seed=cfg["seed"])
     install_attention_cpu_shim()
     install_overlap_cpu_shim()
-    model = build_gpt(cfg)
+    chunks = build_gpt_chunks(cfg)
     comm = host_comm_stream() if cfg["overlap"] else None
     data = batches(cfg)
     watch = OverlapWatch(counter, drop=cfg.get("drop", False)) if cfg["overlap"] else None
     if watch is not None:
-        watch.exclude = probe.model_storage_keys(model)
+        watch.exclude = set().union(*(probe.model_storage_keys(m) for m in chunks))
     gc.collect()
     start = counter() if counter else 0
     if counter:
@@ -190,8 +235,9 @@ def overlap_run(cfg: Dict[str, Any]) -> Dict[str, Any]:
         with HOST_STREAMS.record() as ops:
             out = get_forward_backward_func()(
                 forward_step_func=forward_step,
-                data_iterator=iter(data),
-                model=[model],
+                # Interleaved: one iterator per model chunk (each reads every microbatch).
+                data_iterator=[iter(data) for _ in chunks] if vpp else iter(data),
+                model=chunks,
                 num_microbatches=cfg["microbatches"],
                 seq_length=cfg["seq"],
                 micro_batch_size=cfg["mbs"],
@@ -202,7 +248,13 @@ def overlap_run(cfg: Dict[str, Any]) -> Dict[str, Any]:
             watch.close()
     result = {
         "losses": [d["loss"] for d in out],
-        "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        "grads": {
+            (f"chunk{i}." if len(chunks) > 1 else "") + n: p.grad.clone()
+            for i, model in enumerate(chunks)
+            for n, p in model.named_parameters()
+            if p.grad is not None
+        },
+        "pipeline": {"pp": pp, "vpp": vpp, "ep": ep, "chunks": len(chunks)},
         "comm_stream": comm.name if comm is not None else None,
         "record_stream": [op for op in ops if op[0] == "record_stream"],
         "comm_ops": sum(1 for op in ops if "comm" in op[1:2]),
@@ -310,6 +362,7 @@ class OverlapWatch:
         self.chunks: List[Dict[str, Any]] = []
         self.tokens_per_expert_ptrs: List[int] = []
         self._chunk_count = 0
+        self._stage = None
         self._layer_info: Dict[int, Dict[str, Any]] = {}
         self._saved = []
         watch = self
@@ -326,8 +379,12 @@ class OverlapWatch:
                 watch._building = watch._chunk_count
                 watch._layer_index = 0
                 watch._chunk_count += 1
+                model = args[0] if args else kwargs.get("model")
+                # The virtual pipeline stage of the chunk (None without virtual stages).
+                watch._stage = getattr(model, "vp_stage", None)
                 original(plan, *args, **kwargs)
                 plan._watch_microbatch = watch._building
+                plan._watch_stage = watch._stage
                 # Strong references until the chunk's run ends (the plan holds them that long
                 # too): whether release_state detaches them from the chunk state is checked.
                 nodes = (plan.pre_process, plan.post_process)
@@ -340,6 +397,7 @@ class OverlapWatch:
                 original(plan, *args, **kwargs)
                 watch._layer_info[id(plan.layer_state)] = {
                     "microbatch": watch._building,
+                    "stage": watch._stage,
                     "layer": watch._layer_index,
                     "plan": watch.weakref.ref(plan),
                     "refs": {},
@@ -420,6 +478,7 @@ class OverlapWatch:
         holders = layer_holders(plan) if plan is not None else {}
         record = {
             "microbatch": info["microbatch"],
+            "stage": info["stage"],
             "layer": info["layer"],
             "bytes": attributed_bytes(holders, self.exclude),
             "alive": {k: r() is not None for k, r in info["refs"].items()},
@@ -452,6 +511,7 @@ class OverlapWatch:
         self.chunks.append(
             {
                 "microbatch": getattr(plan, "_watch_microbatch", None),
+                "stage": getattr(plan, "_watch_stage", None),
                 "bytes": attributed_bytes(holders, self.exclude),
                 "nodes_hold_chunk_state": [
                     getattr(n, "chunk_state", None) is not None for n in nodes

@@ -6,7 +6,7 @@ Everything here runs inside ranks spawned by :mod:`cpu_runtime.launcher` (the de
 is installed before megatron is imported); the memory report and the tests build on it.
 """
 
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -20,8 +20,13 @@ from cpu_runtime.compat import (
 )
 
 
-def init_megatron(ep: int, tp: int = 1, seed: int = 1234) -> Dict[str, object]:
-    """Initialize parallel state (gloo groups) and the CPU shims; returns what was installed."""
+def init_megatron(
+    ep: int, tp: int = 1, seed: int = 1234, pp: int = 1, vpp: Optional[int] = None
+) -> Dict[str, object]:
+    """Initialize parallel state (gloo groups) and the CPU shims; returns what was installed.
+
+    With pipeline stages (``pp`` > 1) the pipeline p2p is checked by NCCL's matching rule
+    (:mod:`cpu_runtime.p2p_rules`)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron.core import parallel_state
@@ -32,9 +37,16 @@ def init_megatron(ep: int, tp: int = 1, seed: int = 1234) -> Dict[str, object]:
     install_dtoh_stream_cpu_shim()
     install_router_buffers_cpu_shim()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
     )
     model_parallel_cuda_manual_seed(seed)
+    if pp > 1:
+        from cpu_runtime import p2p_rules
+
+        p2p_rules.install()
     return {"shims": shims}
 
 
