@@ -754,6 +754,9 @@ def _cuda_stand_ins() -> dict:
         "manual_seed": lambda seed: CUDA_GENERATOR.manual_seed(seed),
         "current_device": _current_device,
         "synchronize": _synchronize,
+        # The host streams never capture a graph: CUDA's answer outside a capture (torch's
+        # own call needs a CUDA driver; megatron's batched p2p asks it after every exchange).
+        "is_current_stream_capturing": lambda: False,
         "current_stream": HOST_STREAMS.current_stream,
         "default_stream": lambda device=None: HOST_STREAMS.default,
         "stream": HOST_STREAMS.stream,

@@ -242,6 +242,11 @@ def test_current_device_is_the_emulated_gpu(rules):
     assert pl.placement_of(torch.zeros(1, device=torch.cuda.current_device())) == pl.DEVICE
 
 
+def test_no_stream_is_capturing(rules):
+    """What CUDA answers outside a graph capture (torch's own query needs a CUDA driver)."""
+    assert torch.cuda.is_current_stream_capturing() is False
+
+
 def test_every_form_of_tensor_to(rules):
     """Tensor.to's positional forms, as nn.Module.to calls it: to(device, None, non_blocking)."""
     host = torch.ones(2, device="cpu")
