@@ -284,6 +284,66 @@ class DispatchSizes:
         return dict(self.max)
 
 
+def drop_held_state(model, layers: List[int]) -> None:
+    """Drop what the dispatchers of the MoE layers numbered in ``layers`` hold from the last
+    step (as the release would have), before the next step starts: on the base, the step's
+    peak then shows what that held state adds to it."""
+    from megatron.core.transformer.moe import moe_memory_probe as probe
+
+    for i, (_, dispatcher) in enumerate(probe.find_moe_dispatchers(model)):
+        if i in layers:
+            probe.release_delta(dispatcher, _memory_device())
+
+
+class DropAfterBackward:
+    """On the base, drop what the dispatchers of the MoE layers numbered in ``layers`` hold
+    as soon as their layer's backward has finished (as the release would have): when MoE
+    layer j re-runs its forward inside the backward (full recompute), every later layer's
+    backward is done. The step's peak then shows what that state adds to it."""
+
+    def __init__(self, model, layers: List[int], after_forward: bool = False):
+        self.moe = [m for m in model.modules() if hasattr(m, "token_dispatcher")]
+        self.layers = set(layers)
+        self.in_backward = False
+        self.dropped: set = set()
+        for j, module in enumerate(self.moe):
+            module.register_forward_pre_hook(self._hook(j))
+            if after_forward:
+                # Also the moment the layer's (recomputed) forward returns: its combine is done.
+                module.register_forward_hook(self._after_forward(j))
+
+    def _after_forward(self, j: int):
+        def post_forward(module, args, output):
+            if j in self.layers:
+                from megatron.core.transformer.moe import moe_memory_probe as probe
+
+                probe.release_delta(module.token_dispatcher, _memory_device())
+
+        return post_forward
+
+    def _hook(self, j: int):
+        def pre_forward(module, args):
+            if self.in_backward:
+                for i in range(j + 1, len(self.moe)):
+                    self._drop(i)
+
+        return pre_forward
+
+    def _drop(self, i: int) -> None:
+        from megatron.core.transformer.moe import moe_memory_probe as probe
+
+        if i in self.layers and i not in self.dropped:
+            self.dropped.add(i)
+            probe.release_delta(self.moe[i].token_dispatcher, _memory_device())
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.in_backward, self.dropped = True, set()
+        try:
+            loss.backward()
+        finally:
+            self.in_backward = False
+
+
 def _run_steps(cfg, model, opt, clock, mark, losses, norms, times, releases, syncs) -> None:
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
@@ -291,8 +351,16 @@ def _run_steps(cfg, model, opt, clock, mark, losses, norms, times, releases, syn
 
     last = cfg["steps"] - 1
     timer = ReleaseTimer(model)
+    after_backward = cfg.get("drop_after_backward")
+    after_forward = cfg.get("drop_after_forward")
+    dropper = None
+    if after_backward is not None or after_forward is not None:
+        layers = after_forward if after_forward is not None else after_backward
+        dropper = DropAfterBackward(model, layers, after_forward=after_forward is not None)
     for step in range(cfg["steps"]):
         tokens, pos, labels, mask = _batch(cfg, step)
+        if step > 0 and cfg.get("drop_held") is not None:
+            drop_held_state(model, cfg["drop_held"])
         dist.barrier()
         if clock and cfg.get("timeline") and step == last:
             clock.record()
@@ -303,7 +371,10 @@ def _run_steps(cfg, model, opt, clock, mark, losses, norms, times, releases, syn
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = model(tokens, pos, attention_mask=mask, labels=labels).float().mean()
-        loss.backward()
+        if dropper is not None:
+            dropper.backward(loss)
+        else:
+            loss.backward()
         norms.append(_reduce_grads(model))
         opt.step()
         # As megatron's training loop does after logging: the aux-loss tracker starts afresh.

@@ -202,6 +202,11 @@ def test_device_check_runs_the_report_end_to_end(tmp_path, base_tree, patched_tr
         assert b["comm_buffers"]["allocator_bytes_released"] is None
         assert p["comm_buffers"]["emulated_bytes"] > 0
         assert p["comm_buffers"]["allocator_bytes_released"] == p["comm_buffers"]["emulated_bytes"]
+    # The warm-peak reduction is the base's dispatcher state alive at its peak, measured by
+    # dropping it in the base where the release does (fails on an unpatched "patched" tree).
+    for rank, e in enumerate(report["warm_peak_explained"]):
+        assert e["after_forward"] >= e["after_backward"] > 0, e
+        assert report["targets"][f"rank {rank} warm peak reduction"].endswith(": met"), e
     # The HybridEP accounting's prediction beside the measurement (buffer and one call).
     assert "HybridEP accounting" in text and "combine_output (max call)" in text
     # The 1F1B A2A-overlap section: megatron-core's overlap schedule, base vs patched.
