@@ -221,6 +221,7 @@ def overlap_run(cfg: Dict[str, Any]) -> Dict[str, Any]:
     watch = OverlapWatch(counter, drop=cfg.get("drop", False)) if cfg["overlap"] else None
     if watch is not None:
         watch.exclude = set().union(*(probe.model_storage_keys(m) for m in chunks))
+        watch.describe = cfg.get("describe", False)
     gc.collect()
     start = counter() if counter else 0
     if counter:
@@ -246,7 +247,16 @@ def overlap_run(cfg: Dict[str, Any]) -> Dict[str, Any]:
     finally:
         if watch is not None:
             watch.close()
+    after = {}
+    if counter:
+        # What the step leaves allocated once the schedule has returned (the gradients, and
+        # anything the schedule's objects still reach): as it returns, and after a garbage
+        # collection (reference cycles among the plans are freed only by the collector).
+        after["returned"] = cpu_memory.settled(counter) - start
+        gc.collect()
+        after["collected"] = cpu_memory.settled(counter) - start
     result = {
+        "after_step_bytes": after,
         "losses": [d["loss"] for d in out],
         "grads": {
             (f"chunk{i}." if len(chunks) > 1 else "") + n: p.grad.clone()
@@ -319,6 +329,20 @@ def chunk_holders(plan) -> Dict[str, Any]:
     return out
 
 
+def attributed_tensors(holders: Dict[str, Any], exclude: set) -> Dict[str, List[Any]]:
+    """As :func:`attributed_bytes`, per holder the storages themselves: ``[nbytes, shape,
+    dtype]`` of the first tensor found on each, largest first."""
+    from megatron.core.transformer.moe import moe_memory_probe as probe
+
+    out, seen = {}, set(exclude)
+    for name, value in holders.items():
+        found = probe.reachable_tensors(value)
+        mine = [list(v) for key, v in found.items() if key not in seen]
+        out[name] = sorted(mine, key=lambda v: -v[0])
+        seen.update(found)
+    return out
+
+
 def attributed_bytes(holders: Dict[str, Any], exclude: set) -> Dict[str, int]:
     """Bytes each holder keeps reachable (graph included, as the retained-state probe walks
     it); each storage counts once, for the first holder that reaches it; storages in
@@ -358,6 +382,7 @@ class OverlapWatch:
         self.counter = counter
         self.drop = drop
         self.exclude: set = set()
+        self.describe = False  # with each finished layer's holders, their tensors' shapes
         self.layers: List[Dict[str, Any]] = []
         self.chunks: List[Dict[str, Any]] = []
         self.tokens_per_expert_ptrs: List[int] = []
@@ -483,6 +508,8 @@ class OverlapWatch:
             "bytes": attributed_bytes(holders, self.exclude),
             "alive": {k: r() is not None for k, r in info["refs"].items()},
         }
+        if self.describe:
+            record["tensors"] = attributed_tensors(holders, self.exclude)
         if self.drop and self.counter is not None:
             gc.collect()
             before = self._settled()

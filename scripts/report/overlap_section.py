@@ -23,22 +23,35 @@ from cpu_runtime.launcher import run_distributed
 
 WORLD = 2
 RUNNER = "cpu_runtime.a2a_overlap:overlap_run"
+# The variants of the section: the default step, and behind options (memory_report.py
+# --overlap-pp, --overlap-large) the interleaved pipeline schedule (PP=2 x VPP=2 x EP=2, four
+# ranks) and a larger step (eight layers, eight microbatches of the report's sequence).
+VARIANTS = {
+    "step": dict(layers=3, microbatches=4),
+    "pp": dict(layers=4, microbatches=4, pp=2, vpp=2),
+    "large": dict(layers=8, microbatches=8, mbs=2),
+}
 
 
-def overlap_config(cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """The overlap run's configuration, from the report's: three layers (an odd count: the
-    middle layer runs forward and backward in the same phase), four microbatches sharing the
-    report's tokens per rank."""
-    microbatches = 4
+def overlap_config(cfg: Dict[str, Any], variant: str = "step") -> Dict[str, Any]:
+    """The overlap run's configuration, from the report's. ``step``: three layers (an odd
+    count: the middle layer runs forward and backward in the same phase), four microbatches
+    sharing the report's tokens per rank; ``pp`` and ``large``: see VARIANTS."""
+    shape = dict(VARIANTS[variant])
+    microbatches = shape["microbatches"]
+    shape.setdefault("mbs", max(cfg["tokens"] // cfg["seq"] // microbatches, 1))
     return dict(
         {k: cfg[k] for k in ("hidden", "ffn", "heads", "experts", "topk", "vocab", "seed")},
         dispatcher=cfg.get("dispatcher", "flex"),
         backend=cfg["backend"],
-        layers=3,
         seq=cfg["seq"],
-        mbs=max(cfg["tokens"] // cfg["seq"] // microbatches, 1),
-        microbatches=microbatches,
+        **shape,
     )
+
+
+def world_of(ocfg: Dict[str, Any]) -> int:
+    """Ranks of a run: EP=2 on each pipeline stage."""
+    return WORLD * ocfg.get("pp", 1)
 
 
 def _equal(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
@@ -62,36 +75,44 @@ def held_past_last_use(layers: List[Dict[str, Any]], key: str = "dropped_bytes")
 
 
 def measure(
-    base: str, patched: str, cfg: Dict[str, Any], log=print, peak_runs: int = 3
+    base: str,
+    patched: str,
+    cfg: Dict[str, Any],
+    log=print,
+    peak_runs: int = 3,
+    variant: str = "step",
 ) -> Dict[str, Any]:
     """Run the section on both trees; figures per rank."""
-    ocfg = overlap_config(cfg)
-    section: Dict[str, Any] = {"config": ocfg, "peak_runs": peak_runs}
+    ocfg = overlap_config(cfg, variant)
+    world = world_of(ocfg)
+    section: Dict[str, Any] = {"config": ocfg, "peak_runs": peak_runs, "variant": variant}
+    timeout = 1800 if variant == "large" else 900
     for name, tree in (("base", base), ("patched", patched)):
-        log(f"overlap section: {name}")
-        measured = run_distributed(
-            RUNNER, WORLD, tree, {"cfg": dict(ocfg, overlap=True, measure=True, timeline=True)}
-        )
+        log(f"overlap section ({variant}): {name}")
+
+        def step(tree=tree, **kw):
+            return run_distributed(RUNNER, world, tree, {"cfg": dict(ocfg, **kw)}, timeout)
+
+        measured = step(overlap=True, measure=True, timeline=True)
         # The step's peak moves by up to ~1% between identical runs (gloo's worker threads
         # free collective buffers asynchronously): repeat it and report the range.
         peaks = [[r["peak_bytes"] for r in measured]]
         for _ in range(peak_runs - 1):
-            again = run_distributed(
-                RUNNER, WORLD, tree, {"cfg": dict(ocfg, overlap=True, measure=True)}
-            )
-            peaks.append([r["peak_bytes"] for r in again])
-        dropped = run_distributed(
-            RUNNER, WORLD, tree, {"cfg": dict(ocfg, overlap=True, measure=True, drop=True)}
-        )
-        reference = run_distributed(RUNNER, WORLD, tree, {"cfg": dict(ocfg, overlap=False)})
+            peaks.append([r["peak_bytes"] for r in step(overlap=True, measure=True)])
+        dropped = step(overlap=True, measure=True, drop=True)
+        reference = step(overlap=False)
         section[name] = [
             {
                 "peak_bytes": m["peak_bytes"],
                 "peak_range": [min(p[rank] for p in peaks), max(p[rank] for p in peaks)],
+                # The same step with each finished layer's schedule state dropped at once:
+                # what of it is alive at the step's peak is this run's peak below the step's.
+                "peak_with_drop": d["peak_bytes"],
+                "after_step_bytes": m["after_step_bytes"],
                 "held_past_last_use": held_past_last_use(d["layers"]),
                 "held_per_microbatch": [
                     [r["dropped_bytes"] for r in d["layers"] if r["microbatch"] == mb]
-                    for mb in range(ocfg["microbatches"])
+                    for mb in sorted({r["microbatch"] for r in d["layers"]})
                 ],
                 "attributed": held_past_last_use(m["layers"], key="bytes"),
                 "attributed_by_holder": _by_holder(m["layers"]),
@@ -101,7 +122,8 @@ def measure(
             for rank, (m, d) in enumerate(zip(measured, dropped))
         ]
         section.setdefault("timeline", {})[name] = measured[0]["timeline"]
-        section.setdefault("losses", {})[name] = [float(x) for x in measured[0]["losses"]]
+        # The last rank: with pipeline stages only the last stage has losses.
+        section.setdefault("losses", {})[name] = [float(x) for x in measured[-1]["losses"]]
     section["bitwise_base_patched"] = all(
         x == y for x, y in zip(section["losses"]["base"], section["losses"]["patched"])
     )
@@ -119,11 +141,14 @@ def _by_holder(layers: List[Dict[str, Any]]) -> Dict[str, int]:
 def table(section: Dict[str, Any]) -> str:
     """The section's lines for the report's table."""
     c = section["config"]
+    pipeline = ""
+    if c.get("pp"):
+        pipeline = f", PP={c['pp']} x VPP={c['vpp']} x EP={WORLD} (interleaved)"
     lines = [
         "",
         f"1F1B A2A overlap (overlap_moe_expert_parallel_comm, {c['layers']} MoE layers, bf16,"
-        f" {c['microbatches']} microbatches of {c['mbs']}x{c['seq']} tokens, no recompute;"
-        " megatron-core's combined-1F1B schedule on CPU ranks)",
+        f" {c['microbatches']} microbatches of {c['mbs']}x{c['seq']} tokens, no recompute"
+        f"{pipeline}; megatron-core's combined-1F1B schedule on CPU ranks)",
     ]
     head = f"{'':34}{'base':>16}{'patched':>16}"
     for rank, (b, p) in enumerate(zip(section["base"], section["patched"])):
@@ -131,6 +156,11 @@ def table(section: Dict[str, Any]) -> str:
         runs = section["peak_runs"]
         for label, i in ((f"step peak, min of {runs} runs", 0), ("step peak, max", 1)):
             lines.append(f"{label:34}{b['peak_range'][i]:>16,}{p['peak_range'][i]:>16,}")
+        if "peak_with_drop" in b:
+            alive = [r["peak_bytes"] - r["peak_with_drop"] for r in (b, p)]
+            lines.append(f"{'  of it held past last use':34}{alive[0]:>16,}{alive[1]:>16,}")
+            after = [r["after_step_bytes"].get("returned", 0) for r in (b, p)]
+            lines.append(f"{'left once the schedule returns':34}{after[0]:>16,}{after[1]:>16,}")
         for i, (x, y) in enumerate(zip(b["held_past_last_use"], p["held_past_last_use"])):
             label = f"held past last use, layer {i}"
             lines.append(f"{label:34}{x:>16,}{y:>16,}")
@@ -146,8 +176,9 @@ def table(section: Dict[str, Any]) -> str:
         lines.append(f"  overlap on == overlap off (losses, all gradients, bitwise): {eq}")
     lines.append(
         "  (held past last use: allocator bytes freed by dropping a layer's schedule state the"
-        " moment its backward finishes, largest over microbatches; per holder: bytes its"
-        " references reach, autograd graph included)"
+        " moment its backward finishes, largest over microbatches; of the peak: the step's peak"
+        " minus that of the same step dropping it; per holder: bytes its references reach,"
+        " autograd graph included)"
     )
     return "\n".join(lines)
 
@@ -161,20 +192,21 @@ def bitwise_ok(section: Dict[str, Any]) -> bool:
 def targets(section: Dict[str, Any]) -> Dict[str, str]:
     """The overlap section's targets, measured."""
     out = {}
+    tag = "" if section.get("variant", "step") == "step" else f" ({section['variant']})"
     for rank, (b, p) in enumerate(zip(section["base"], section["patched"])):
         held = sum(p["held_past_last_use"]) + p["chunk_state_bytes"]
-        out[f"overlap rank {rank} patched held past last use"] = (
+        out[f"overlap{tag} rank {rank} patched held past last use"] = (
             f"{held:,} B (target 0; base {sum(b['held_past_last_use']):,} B): "
             + ("met" if held == 0 else "NOT met")
         )
         (blo, bhi), (plo, phi) = b["peak_range"], p["peak_range"]
         verdict = "met" if phi <= blo else "NOT met" if plo > bhi else "within noise"
-        out[f"overlap rank {rank} step peak"] = (
+        out[f"overlap{tag} rank {rank} step peak"] = (
             f"base {blo:,}-{bhi:,} B, patched {plo:,}-{phi:,} B (target: not above base): "
             + verdict
         )
     ok = bitwise_ok(section)
-    out["overlap bitwise (on == off, base == patched)"] = "met" if ok else "NOT met"
+    out[f"overlap{tag} bitwise (on == off, base == patched)"] = "met" if ok else "NOT met"
     return out
 
 

@@ -207,16 +207,27 @@ def reachable_storages(value, max_nodes: int = 100000) -> Dict[Tuple[str, int], 
     """``{storage key: nbytes}`` of every storage reachable from ``value`` (a tensor, or
     tuples/lists/dicts of them): the tensors themselves, their ``.grad``, and what their
     autograd graphs save, walked as :func:`attribute_layer` walks a dispatcher's."""
-    found: Dict[Tuple[str, int], int] = {}
+    return {k: v[0] for k, v in reachable_tensors(value, max_nodes).items()}
+
+
+def reachable_tensors(
+    value, max_nodes: int = 100000
+) -> Dict[Tuple[str, int], Tuple[int, Tuple[int, ...], str]]:
+    """As :func:`reachable_storages`, with the first tensor found on each storage:
+    ``{storage key: (nbytes, shape, dtype)}``."""
+    found: Dict[Tuple[str, int], Tuple[int, Tuple[int, ...], str]] = {}
     seen_nodes = set()
     stack = []
 
     def add(t: torch.Tensor) -> None:
         if t.device.type == "meta":
             return
-        found.setdefault(_storage_key(t), t.untyped_storage().nbytes())
-        if t.grad is not None:
-            found.setdefault(_storage_key(t.grad), t.grad.untyped_storage().nbytes())
+        key = _storage_key(t)
+        if key not in found:
+            found[key] = (t.untyped_storage().nbytes(), tuple(t.shape), str(t.dtype))
+        if t.grad is not None and _storage_key(t.grad) not in found:
+            g = t.grad
+            found[_storage_key(g)] = (g.untyped_storage().nbytes(), tuple(g.shape), str(g.dtype))
         if t.grad_fn is not None:
             stack.append(t.grad_fn)
 
