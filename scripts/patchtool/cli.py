@@ -70,7 +70,9 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def _cmd_materialize(args: argparse.Namespace) -> int:
-    tree = materialize(Path(args.dir), args.base, series=not args.no_series)
+    if args.through and args.no_series:
+        raise UserError("--through and --no-series exclude each other")
+    tree = materialize(Path(args.dir), args.base, series=not args.no_series, through=args.through)
     print(f"{args.dir}: megatron-core {tree.version}")
     if tree.base.is_commit:
         print(f"  base: Megatron-LM {tree.base.branch} {tree.base.commit} (pin {tree.base.name}), "
@@ -295,6 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = verb("materialize", "write base + series + new modules as a complete tree to DIR")
     p.add_argument("dir", metavar="DIR", help="target directory (absent or empty)")
     p.add_argument("--no-series", action="store_true", help="base and new modules only")
+    p.add_argument(
+        "--through",
+        metavar="PATCH",
+        help="apply the series only up to the patch whose name contains PATCH (bisecting, "
+        "measuring one patch's effect)",
+    )
     p.set_defaults(func=_cmd_materialize)
     p = verb("edit", "create a git repo at DIR: base commit (tag `base`) + one commit per patch")
     p.add_argument("dir", metavar="DIR", help="target directory (absent or empty)")

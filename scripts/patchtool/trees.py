@@ -125,17 +125,30 @@ def _compile_sources(patch_name: str, sources: dict[str, bytes]) -> None:
                 ) from None
 
 
+def series_through(patches: list, through: str, series_name: str) -> list:
+    """The series up to and including the one patch whose name contains ``through``."""
+    found = [i for i, (name, _) in enumerate(patches) if through in name]
+    if len(found) != 1:
+        names = "".join(f"\n  {name}" for name, _ in patches)
+        what = "no patch" if not found else f"{len(found)} patches"
+        raise UserError(f"--through {through}: {what} of {series_name} match; its patches:{names}")
+    return patches[: found[0] + 1]
+
+
 def load_tree(
     version: Optional[str] = None,
     series: bool = True,
     root: Path = REPO_ROOT,
     compile_check: bool = False,
+    through: Optional[str] = None,
 ) -> Tree:
     """Pins + the base's files (cached sdist or Megatron-LM checkout) + repo series + overlay ->
-    Tree."""
+    Tree. ``through``: only the series' patches up to the one whose name contains it."""
     pins = load_pins(root / "patches" / "pins.toml")
     base = pins.get(version)
     patches = read_series(base, root) if series else []
+    if through is not None:
+        patches = series_through(patches, through, f"the series of {base.name}")
     base_files = read_base_files(base)
     return build_tree(base, base_files, patches, overlay_files(root), compile_check=compile_check)
 
@@ -212,12 +225,16 @@ def write_tree_atomic(files: dict[str, bytes], dest: Path, make_parents: bool = 
 
 
 def materialize(
-    dest: Path, version: Optional[str] = None, series: bool = True, root: Path = REPO_ROOT
+    dest: Path,
+    version: Optional[str] = None,
+    series: bool = True,
+    root: Path = REPO_ROOT,
+    through: Optional[str] = None,
 ) -> Tree:
     """Write a complete patched megatron-core tree to dest (absent or empty, in an existing
-    directory)."""
+    directory); ``through``: the series up to the patch whose name contains it."""
     dest = check_target_dir(dest)
-    tree = load_tree(version, series=series, root=root)
+    tree = load_tree(version, series=series, root=root, through=through)
     write_tree_atomic(tree.files, dest, make_parents=False)
     return tree
 

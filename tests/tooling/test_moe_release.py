@@ -211,6 +211,18 @@ def test_materialize_refuses_non_empty_target(tmp_path, repo):
     assert [p.name for p in dest.iterdir()] == ["keep.txt"]
 
 
+def test_materialize_through_a_patch_applies_the_series_up_to_it(tmp_path, repo):
+    tree = materialize(tmp_path / "tree", root=repo, through="all-gather-dispatcher-state")
+    names = [p.name for p in series_patches(repo)]
+    assert tree.patches == names[:4]
+    # A name matching no patch, or several, names the series' patches and writes nothing.
+    for through, what in (("no-such-patch", "no patch"), ("dispatcher-state", "3 patches")):
+        dest = tmp_path / through
+        with pytest.raises(UserError, match=f"--through {through}: {what} of the series of"):
+            materialize(dest, root=repo, through=through)
+        assert not dest.exists()
+
+
 def test_materialize_into_empty_dir(tmp_path, repo):
     dest = tmp_path / "tree"
     dest.mkdir()
