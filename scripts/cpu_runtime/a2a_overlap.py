@@ -157,8 +157,16 @@ def build_gpt_chunks(cfg: Dict[str, Any]) -> List[Any]:
     pp, vpp, _ = pipeline_sizes(cfg)
     torch.manual_seed(cfg["seed"])
     if pp == 1:
+        mtp_spec = None
+        if config.mtp_num_layers:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+            from cpu_runtime.compat import install_mtp_cpu_shim
+
+            install_mtp_cpu_shim()
+            mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
         # As megatron's Float16Module does for a bf16 run: every parameter in bf16.
-        return [gpt_model(config, cfg, spec).bfloat16()]
+        return [gpt_model(config, cfg, spec, mtp_spec).bfloat16()]
     chunks = []
     for stage in range(vpp or 1):
         stage_arg = stage if vpp else None

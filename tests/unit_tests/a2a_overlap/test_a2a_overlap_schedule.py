@@ -245,3 +245,32 @@ def test_early_attention_release_variant(dist_job, patched_tree):
         assert len(res["layers"]) == SMALL["microbatches"] * 3
         held = [r for r in res["layers"] if r["bytes"] or any(r["alive"].values())]
         assert held == [], f"rank {rank}: {held[:2]}"
+
+
+MTP = {"mtp_num_layers": 1}
+
+
+def test_overlap_with_an_mtp_layer(dist_job, patched_tree, base_tree):
+    """The overlap with one multi-token-prediction layer (its own MoE layer, run by the
+    schedule after the decoder): at every finished backward, the MTP layer's included, the
+    patched tree holds nothing and every chunk state is empty; the base holds them. The step is
+    bitwise equal to the base's; against the overlap off only the embedding gradients differ
+    (the embedding gets gradient from the decoder and the MTP paths, summed in bf16 in another
+    order), on the base as on the patched tree."""
+    case = ("flex", "hybridep", 3)
+    patched = _run(dist_job, patched_tree, case, overlap=True, config_overrides=MTP)
+    base = _run(dist_job, base_tree, case, overlap=True, config_overrides=MTP)
+    _assert_bitwise(patched, base)
+    embedding = {"embedding.word_embeddings.weight", "embedding.position_embeddings.weight"}
+    for tree, on in ((patched_tree, patched), (base_tree, base)):
+        off = _run(dist_job, tree, case, overlap=False, config_overrides=MTP)
+        for rank, (a, b) in enumerate(zip(on, off)):
+            differ = {n for n in a["grads"] if not torch.equal(a["grads"][n], b["grads"][n])}
+            assert differ <= embedding, f"rank {rank}: {sorted(differ)}"
+    for rank, (p, b) in enumerate(zip(patched, base)):
+        # Three decoder layers and the MTP layer's, per microbatch.
+        assert {r["layer"] for r in p["layers"]} == {0, 1, 2, 3}, rank
+        held = [(r["microbatch"], r["layer"]) for r in p["layers"] if r["bytes"]]
+        assert held == [], f"rank {rank}: {held}"
+        assert all(c["bytes"] == {} for c in p["chunks"]), rank
+        assert any(r["bytes"] for r in b["layers"] if r["layer"] == 3), rank
