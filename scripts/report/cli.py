@@ -447,7 +447,12 @@ def measure(base: str, patched: str, cfg: Dict[str, Any], runtime: Runtime = CPU
 
 
 def explain_warm_peak(
-    base: str, cfg: Dict[str, Any], layers: int, runtime: Runtime = CPU, per_layer: bool = True
+    base: str,
+    cfg: Dict[str, Any],
+    layers: int,
+    ref: List[int],
+    runtime: Runtime = CPU,
+    per_layer: bool = True,
 ) -> List[Dict[str, Any]]:
     """Where the warm-peak reduction comes from, measured on the base, per rank.
 
@@ -457,11 +462,11 @@ def explain_warm_peak(
     where the release drops it; ``previous_step``, what each layer still holds from the last
     step, before each warm step; ``after_backward``, what each layer's finished backward left
     (its recomputed graph, input and ``.grad``), the moment that backward is done. Each figure
-    is the base's warm peak minus that run's; with ``per_layer``, ``after_backward`` also
-    layer by layer (the peak moves, so those do not add up)."""
+    is the base's warm peak (``ref``, per rank, from its measured run) minus that run's; with
+    ``per_layer``, ``after_backward`` also layer by layer (the peak moves, so those do not add
+    up)."""
     log("warm peak explained: the base, its held state dropped")
     every = list(range(layers))
-    ref = [summarize(r)["warm_peak"] for r in run(base, "train", dict(cfg, measure=True), runtime)]
 
     def lowered(**drop) -> List[int]:
         res = run(base, "train", dict(cfg, measure=True, **drop), runtime)
@@ -516,9 +521,10 @@ def golden_values(report: Dict[str, Any], command: str) -> Dict[str, Any]:
 #   only for near-tied router logits, which would move dispatched sizes by a few rows. Peaks
 #   also depend on when gloo's worker threads drop their buffers (seen: 25 KB of 11 MB).
 #   The patched dispatcher-held bytes are the physical floor and must be exactly 0.
-# The warm-peak target: the patched warm peak equals the base's with the previous step's
-# dispatcher state dropped before the step, within the peaks' run-to-run spread (gloo's worker
-# threads free collective buffers asynchronously: up to ~0.25% of the peak seen).
+# The warm-peak target: the reduction equals what the base's dispatcher state adds to its warm
+# peak (a base run dropping it after each MoE layer's forward, explain_warm_peak), within the
+# peaks' run-to-run spread (gloo's worker threads free collective buffers asynchronously: up to
+# ~0.25% of the peak seen).
 WARM_PEAK_RTOL = 0.005
 
 GOLDEN_RTOL = {
@@ -658,8 +664,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     report.update(measure(base, patched, cfg, runtime))
     if not args.record_golden:
         layers = cfg["layers"] + cfg.get("mtp_layers", 0)
+        ref = [r["warm_peak"] for r in report["base"]]
         report["warm_peak_explained"] = explain_warm_peak(
-            base, cfg, layers, runtime, per_layer=not args.quick
+            base, cfg, layers, ref, runtime, per_layer=not args.quick
         )
     rounds = 1 if args.quick or args.record_golden else args.rounds
     report["timing"] = timing(base, patched, cfg, rounds, runtime)
