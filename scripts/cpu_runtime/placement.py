@@ -339,6 +339,11 @@ _NO_DATA = frozenset(
         torch.Tensor.is_contiguous,
         torch.Tensor.storage_offset,
         torch.Tensor.numpy,  # a view: the array's reads are numpy's, not tracked
+        # Autograd metadata: they set a flag on the tensor and launch no kernel (in-place by
+        # name only).
+        torch.Tensor.requires_grad_,
+        torch.Tensor.retain_grad,
+        torch.Tensor.detach_,
     }
 )
 # Factories that leave memory uninitialized: they write nothing a stream could race on.

@@ -204,6 +204,23 @@ def test_an_alias_made_on_another_stream_writes_nothing(rules):
         x.sum()
 
 
+def test_autograd_flags_read_nothing(rules):
+    """``requires_grad_``, ``retain_grad`` and ``detach_`` set autograd metadata and launch no
+    kernel (upstream dev's full-recompute replay calls ``requires_grad_`` on the default stream
+    on a segment input the comm stream wrote): no read. A kernel reading the tensor still
+    races, and the flag itself is set."""
+    side = HostStream(name="side")
+    side.wait_stream(HOST_STREAMS.current)
+    with HOST_STREAMS.stream(side):
+        made = torch.ones(4, device="cuda") * 2
+    made.requires_grad_(True)
+    assert made.requires_grad
+    made.view(-1).retain_grad()
+    made.detach().detach_()
+    with pytest.raises(pl.StreamOrderError, match="written on stream 'side'"):
+        made.sum()
+
+
 def test_a_host_read_of_a_pending_copy_is_a_race(rules):
     """A non-blocking device-to-host copy lands later: reading it on the host before an event
     or stream synchronize is a race on a GPU (the DtoH-stream pattern)."""
