@@ -274,3 +274,87 @@ def test_overlap_with_an_mtp_layer(dist_job, patched_tree, base_tree):
         assert held == [], f"rank {rank}: {held}"
         assert all(c["bytes"] == {} for c in p["chunks"]), rank
         assert any(r["bytes"] for r in b["layers"] if r["layer"] == 3), rank
+
+
+RECOMPUTE_RUNNER = (
+    "tests.unit_tests.a2a_overlap.test_a2a_overlap_schedule:overlap_run_with_full_recompute"
+)
+FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform")
+FULL_RECOMPUTE.update(recompute_num_layers=1)
+
+
+def overlap_run_with_full_recompute(cfg):
+    """Rank side: ``overlap_run`` with full recompute, noting each layer plan's
+    ``reset_for_recompute`` (upstream dev's segment replay: the first forward runs without
+    grad, the reset frees its state, the backward re-runs the layer) with what the layer's
+    dispatcher still reached just before it, and each segment replay. Where the tree's
+    TransformerConfig refuses full recompute with the overlap, returns its message."""
+    from megatron.core.models.common import model_chunk_schedule_plan as mcsp
+
+    from cpu_runtime.a2a_overlap import overlap_config, overlap_run
+    from megatron.core.transformer.moe import moe_memory_probe as probe
+
+    try:
+        overlap_config(cfg)
+    except AssertionError as exc:
+        return {"refused": str(exc)}
+    plan_class, segment_class = mcsp.TransformerLayerSchedulePlan, mcsp.RecomputeSegment
+    reset, recompute = plan_class.reset_for_recompute, segment_class.recompute
+    before_reset, replays = [], []
+
+    def noted_reset(plan):
+        dispatcher = plan.layer.mlp.token_dispatcher
+        report = probe.attribute_layer("mlp", dispatcher, probe.model_storage_keys(plan.layer))
+        before_reset.append({"bytes": report.pinned_bytes, "direct": sorted(report.direct)})
+        return reset(plan)
+
+    def noted_recompute(segment, layer):
+        replays.append(layer.layer.layer_number)
+        return recompute(segment, layer)
+
+    plan_class.reset_for_recompute, segment_class.recompute = noted_reset, noted_recompute
+    try:
+        result = overlap_run(cfg)
+    finally:
+        plan_class.reset_for_recompute, segment_class.recompute = reset, recompute
+    return dict(result, before_reset=before_reset, replays=replays)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(("flex", "hybridep", 3), id="hybridep"),
+        pytest.param(("flex", "deepep", 3), id="deepep", marks=pytest.mark.slow),
+        pytest.param(("alltoall", "dropless", 3), id="alltoall", marks=pytest.mark.slow),
+    ],
+)
+def test_overlap_with_full_recompute(dist_job, patched_tree, base_tree, case):
+    """The overlap with full recompute (upstream dev's per-layer segment replay and its
+    ``reset_for_recompute``): bitwise equal to full recompute with the overlap off and to the
+    base; every layer was reset after its first forward and replayed before its backward; at
+    every finished backward the patched tree holds nothing (the base holds its dispatched
+    probs and detached tensors). Before each reset the patched dispatcher already reaches
+    nothing (the combine released it; the reset's dispatcher call is a backstop), the base's
+    still reaches its routing state. Trees without the replay (megatron-core 0.19.2 and the
+    release branches) refuse the combination in TransformerConfig."""
+    cfg = _cfg(case, overlap=True, config_overrides=FULL_RECOMPUTE)
+    patched = dist_job(RECOMPUTE_RUNNER, 2, patched_tree, cfg=cfg)
+    if "refused" in patched[0]:
+        assert all("disable full recomputation" in r["refused"] for r in patched), patched
+        return
+    base = dist_job(RECOMPUTE_RUNNER, 2, base_tree, cfg=cfg)
+    off = _run(dist_job, patched_tree, case, overlap=False, config_overrides=FULL_RECOMPUTE)
+    _assert_bitwise(patched, off)
+    _assert_bitwise(patched, base)
+    layers = case[-1]
+    for rank, (p, b) in enumerate(zip(patched, base)):
+        for res in (p, b):
+            assert len(res["before_reset"]) == SMALL["microbatches"] * layers, rank
+            replays = sorted(list(range(1, layers + 1)) * SMALL["microbatches"])
+            assert sorted(res["replays"]) == replays, rank
+        assert [r["bytes"] for r in p["before_reset"]] == [0] * len(p["before_reset"]), rank
+        assert all(r["bytes"] > 0 for r in b["before_reset"]), f"rank {rank}: {b['before_reset']}"
+        held = [(r["microbatch"], r["layer"], r["bytes"]) for r in p["layers"] if r["bytes"]]
+        assert held == [], f"rank {rank}: {held[:2]}"
+        assert not any(v for r in p["layers"] for v in r["alive"].values()), rank
+        assert all(r["bytes"] for r in b["layers"]), rank
