@@ -10,16 +10,16 @@ Usage (the venv's python)::
 ``patches/upstream/patch-tests.toml`` names, for every patch of the primary series, the
 upstream-layout tests (pytest node ids under ``patches/upstream/tests``) that show it:
 ``fails_without`` must fail on the tree without the patch, with an error containing ``reason``
-(or one of a list of them),
-and pass on the tree with it; ``guards`` (values the patch must not change) must pass with it.
+(or one of a list of them), and pass on the tree with it; ``guards`` (values the patch must not
+change) must pass with it; ``nproc`` (default 8) is the ranks its tests need.
 
 The trees are the base's sdist with a prefix of its series applied, in series order: patch k
 is tested on prefix k-1 (without) and prefix k (with), so every commit of the series is shown
-to be the one that makes its tests pass. One launch of :mod:`upstream_cpu.run` per tree (8
-gloo ranks, the deep_ep emulation, the options the manifest gives) runs the tests of the patch
-before it and after it together. Each tree is a scratch Megatron-LM-shaped checkout: the tree's
-``megatron/``, our ``patches/upstream/tests`` and :mod:`upstream_cpu.standin_utils` as upstream's
-``Utils`` (the sdist has no ``tests/``).
+to be the one that makes its tests pass. One launch of :mod:`upstream_cpu.run` per tree (gloo
+ranks, as many as its tests' entries ask for; the deep_ep emulation; the options the manifest
+gives) runs the tests of the patch before it and after it together. Each tree is a scratch
+Megatron-LM-shaped checkout: the tree's ``megatron/``, our ``patches/upstream/tests`` and
+:mod:`upstream_cpu.standin_utils` as upstream's ``Utils`` (the sdist has no ``tests/``).
 
 ``--base V`` runs a backport series (its patches name their primary patch in ``Backport-Of:``);
 ``--patch`` chooses patches (by file name or a unique part of it); ``--first`` runs only the
@@ -56,6 +56,9 @@ from upstream_cpu import run as harness  # noqa: E402
 MANIFEST = REPO_ROOT / "patches" / "upstream" / "patch-tests.toml"
 UPSTREAM_TESTS = REPO_ROOT / "patches" / "upstream" / "tests"
 STANDIN_UTILS = Path(__file__).resolve().parent / "standin_utils.py"
+# Ranks per launch unless an entry says otherwise: the GPUs of upstream's runners, which the
+# tests' parametrizations (TP 8, EP 8, TP 2 x EP 4) assume.
+DEFAULT_NPROC = 8
 
 
 @dataclasses.dataclass
@@ -67,6 +70,7 @@ class PatchTests:
     reason: List[str]
     guards: List[str]
     options: List[str]
+    nproc: int = DEFAULT_NPROC
 
 
 def load_manifest(path: Path = MANIFEST, tests_dir: Path = UPSTREAM_TESTS) -> Dict[str, PatchTests]:
@@ -78,7 +82,7 @@ def load_manifest(path: Path = MANIFEST, tests_dir: Path = UPSTREAM_TESTS) -> Di
     out = {}
     for name, entry in data.get("patch", {}).items():
         where = f"{path.name}: [patch.{name!r}]"
-        unknown = set(entry) - {"file", "fails_without", "reason", "guards", "options"}
+        unknown = set(entry) - {"file", "fails_without", "reason", "guards", "options", "nproc"}
         if unknown:
             raise UserError(f"{where}: unknown key {sorted(unknown)[0]!r}")
         tests = PatchTests(
@@ -87,7 +91,10 @@ def load_manifest(path: Path = MANIFEST, tests_dir: Path = UPSTREAM_TESTS) -> Di
             _reasons(entry.get("reason", []), where),
             _nodeids(entry, "guards"),
             list(entry.get("options", [])),
+            entry.get("nproc", DEFAULT_NPROC),
         )
+        if not isinstance(tests.nproc, int) or isinstance(tests.nproc, bool) or tests.nproc < 1:
+            raise UserError(f"{where}: nproc must be a positive integer, got {tests.nproc!r}")
         if not tests.fails_without:
             raise UserError(f"{where}: no fails_without test (each patch needs one)")
         for nodeid in tests.fails_without + tests.guards:
@@ -157,24 +164,26 @@ class Launch:
     prefix: int
     tests: List[str]
     options: List[str]
+    nproc: int = 1
 
 
 def plan(entries: Dict[int, PatchTests], ends: bool, n: int) -> List[Launch]:
     """The launches: per prefix tree, the tests of the patch before and after it."""
     by_prefix: Dict[int, Launch] = {}
 
-    def add(prefix: int, tests: Sequence[str], options: Sequence[str]) -> None:
+    def add(prefix: int, tests: Sequence[str], e: PatchTests) -> None:
         launch = by_prefix.setdefault(prefix, Launch(prefix, [], []))
         launch.tests += [t for t in tests if t not in launch.tests]
-        launch.options += [o for o in options if o not in launch.options]
+        launch.options += [o for o in e.options if o not in launch.options]
+        launch.nproc = max(launch.nproc, e.nproc)
 
     for k, e in entries.items():
         if ends:
-            add(0, e.fails_without, e.options)
-            add(n, e.fails_without + e.guards, e.options)
+            add(0, e.fails_without, e)
+            add(n, e.fails_without + e.guards, e)
         else:
-            add(k - 1, e.fails_without, e.options)
-            add(k, e.fails_without + e.guards, e.options)
+            add(k - 1, e.fails_without, e)
+            add(k, e.fails_without + e.guards, e)
     return [by_prefix[k] for k in sorted(by_prefix)]
 
 
@@ -225,11 +234,12 @@ def run(
             out = work / f"prefix{launch.prefix}.json"
             print(
                 f"per_patch: {base.version} + {launch.prefix} patch(es): "
-                f"{len(launch.tests)} test(s) {' '.join(launch.options)}",
+                f"{len(launch.tests)} test(s) on {launch.nproc} rank(s) {' '.join(launch.options)}",
                 flush=True,
             )
             harness.main(
-                [str(checkout), "--deep-ep-emulation", "--timeout", str(timeout), "--json"]
+                [str(checkout), "--nproc", str(launch.nproc), "--deep-ep-emulation"]
+                + ["--timeout", str(timeout), "--json"]
                 + [str(out), *launch.options, "--", "-q", "-p", "no:warnings", *launch.tests]
             )
             result = json.loads(out.read_text()) if out.exists() else {"tests": {}}

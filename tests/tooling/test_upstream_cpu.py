@@ -274,13 +274,14 @@ def test_plan_and_evaluate():
     another reason, or did not run, is a failed check."""
     e = {
         2: per_patch.PatchTests("b.patch", ["t::b"], ["held"], ["t::gb"], []),
-        3: per_patch.PatchTests("c.patch", ["t::c"], ["other", "held"], [], ["--fp32-gemm"]),
+        3: per_patch.PatchTests("c.patch", ["t::c"], ["other", "held"], [], ["--fp32-gemm"], 1),
     }
     launches = per_patch.plan(e, ends=False, n=3)
-    assert [(x.prefix, x.tests, x.options) for x in launches] == [
-        (1, ["t::b"], []),
-        (2, ["t::b", "t::gb", "t::c"], ["--fp32-gemm"]),
-        (3, ["t::c"], ["--fp32-gemm"]),
+    # A launch has as many ranks as the most any of its tests needs (8 unless an entry says).
+    assert [(x.prefix, x.tests, x.options, x.nproc) for x in launches] == [
+        (1, ["t::b"], [], 8),
+        (2, ["t::b", "t::gb", "t::c"], ["--fp32-gemm"], 8),
+        (3, ["t::c"], ["--fp32-gemm"], 1),
     ]
     ends = per_patch.plan(e, ends=True, n=3)
     assert [(x.prefix, x.tests) for x in ends] == [
@@ -305,6 +306,19 @@ def test_plan_and_evaluate():
 
 
 def test_one_patch_fails_without_and_passes_with(tmp_path):
+    """The CPU-import patch's test, through per_patch on the real trees: it fails on the
+    unpatched base (importing the schedules halts at Triton) and passes once the patch is
+    applied. Two one-rank launches (its manifest entry's nproc)."""
+    out = tmp_path / "out.json"
+    rc = per_patch.main(["--patch", "import-and-build", "--timeout", "300", "--json", str(out)])
+    checks = json.loads(out.read_text())["checks"]
+    assert rc == 0, checks
+    assert [(c["prefix"], c["outcome"]) for c in checks] == [(0, "failed"), (1, "passed")], checks
+    assert "import of triton halted" in checks[0]["got_reason"], checks
+
+
+@pytest.mark.slow
+def test_a_dispatcher_patch_fails_without_and_passes_with(tmp_path):
     """The all-gather release patch's first test, through per_patch on the real trees: it fails
     on the series up to the all-to-all patch (the dispatcher still holds the forward's
     tensors) and passes once the patch is applied. Two 8-rank launches."""
