@@ -230,18 +230,29 @@ def overlap_run(cfg: Dict[str, Any]) -> Dict[str, Any]:
     if watch is not None:
         watch.exclude = set().union(*(probe.model_storage_keys(m) for m in chunks))
         watch.describe = cfg.get("describe", False)
+    oplog = None
+    if cfg.get("peak_tensors"):
+        from cpu_runtime.peak_tensors import OpLog
+
+        if not (counter and cfg.get("timeline")):
+            raise ValueError("peak_tensors needs measure=True and timeline=True")
+        oplog = OpLog()
+        if watch is not None:
+            watch.oplog = oplog
     gc.collect()
     start = counter() if counter else 0
     if counter:
         cpu_memory.reset_peak_memory_stats()
         if cfg.get("timeline"):
-            cpu_memory.start_recording()
+            cpu_memory.start_recording(cfg.get("timeline_capacity", 1 << 20))
             t0 = cpu_memory.now_ns()
+    from contextlib import nullcontext
+
     from cpu_runtime import placement
 
     placement.SYNCS.clear()
     try:
-        with HOST_STREAMS.record() as ops:
+        with HOST_STREAMS.record() as ops, oplog if oplog is not None else nullcontext():
             out = get_forward_backward_func()(
                 forward_step_func=forward_step,
                 # Interleaved: one iterator per model chunk (each reads every microbatch).
@@ -288,10 +299,33 @@ def overlap_run(cfg: Dict[str, Any]) -> Dict[str, Any]:
     if counter:
         result["peak_bytes"] = cpu_memory.max_memory_allocated() - start
         if cfg.get("timeline"):
-            times, values = cpu_memory.stop_recording()
-            pts = [(t, v - start) for t, v in sorted(zip(times, values))]
+            recorded = cpu_memory.events_recorded()
+            times, values, ptrs, deltas = cpu_memory.stop_recording(events=True)
+            order = times.argsort(kind="stable")
+            pts = list(zip(times[order].tolist(), (values[order] - start).tolist()))
             result["timeline"] = cpu_memory.downsample(pts, t0, 400)
+            if oplog is not None:
+                result["peak_tensors"] = _peak_tensors(
+                    cfg, oplog, values, ptrs, deltas, recorded, start
+                )
     return result
+
+
+def _peak_tensors(cfg, oplog, values, ptrs, deltas, recorded: int, start: int) -> Dict[str, Any]:
+    """What was alive at the step's peak, by the op that made it, and at this rank's entry of
+    cfg['peak_moments_by_rank'] (another run's peak moments: cpu_runtime.peak_tensors)."""
+    from cpu_runtime import peak_tensors
+
+    if recorded > len(values):
+        raise RuntimeError(
+            f"the allocator recorded {recorded} events, over the timeline's capacity "
+            f"{len(values)}: raise cfg['timeline_capacity']"
+        )
+    import torch.distributed as dist
+
+    by_rank = cfg.get("peak_moments_by_rank")
+    moments = by_rank[dist.get_rank()] if by_rank else ()
+    return peak_tensors.summarize(oplog, values, ptrs, deltas, start, moments=moments)
 
 
 # What a finished layer may still hold, per holder: the layer state's attributes and, per
@@ -391,6 +425,7 @@ class OverlapWatch:
         self.drop = drop
         self.exclude: set = set()
         self.describe = False  # with each finished layer's holders, their tensors' shapes
+        self.oplog = None  # a cpu_runtime.peak_tensors.OpLog to name the running node in
         self.layers: List[Dict[str, Any]] = []
         self.chunks: List[Dict[str, Any]] = []
         self.tokens_per_expert_ptrs: List[int] = []
@@ -441,7 +476,8 @@ class OverlapWatch:
 
         def node_forward(original):
             def forward(node, *inputs):
-                out = original(node, *inputs)
+                with watch._phase(node, "forward"):
+                    out = original(node, *inputs)
                 watch._after_forward(node)
                 return out
 
@@ -450,7 +486,8 @@ class OverlapWatch:
         def node_backward(original):
             def backward(node, *grads):
                 info = watch._layer_info.get(id(node.layer_state))
-                out = original(node, *grads)
+                with watch._phase(node, "backward"):
+                    out = original(node, *grads)
                 if node.name in FIRST_NODE_NAMES and info is not None:
                     watch._layer_finished(info)
                 return out
@@ -472,6 +509,31 @@ class OverlapWatch:
         node_class = layer_node_class()
         wrap(node_class, "forward", node_forward)
         wrap(node_class, "backward", node_backward)
+
+    def _phase(self, node, direction: str):
+        """With an op log (cfg['peak_tensors']), name the ops run inside ``node`` by
+        microbatch, virtual stage, layer, node and direction."""
+        from contextlib import contextmanager
+
+        @contextmanager
+        def phase():
+            log = self.oplog
+            info = self._layer_info.get(id(getattr(node, "layer_state", None)))
+            if log is None or info is None:
+                yield
+                return
+            outer = log.phase
+            stage = "" if info["stage"] is None else f" stage {info['stage']}"
+            log.phase = (
+                f"microbatch {info['microbatch']}{stage} layer {info['layer']} "
+                f"{node.name} {direction}"
+            )
+            try:
+                yield
+            finally:
+                log.phase = outer
+
+        return phase()
 
     def close(self) -> None:
         for cls, name, original in reversed(self._saved):

@@ -72,6 +72,7 @@ def _load() -> ctypes.CDLL:
             "moe_counter_allocations",
             "moe_counter_now_ns",
             "moe_counter_stop_recording",
+            "moe_counter_events",
         ):
             getattr(lib, name).restype = ctypes.c_longlong
         lib.moe_counter_start_recording.argtypes = [ctypes.c_longlong]
@@ -80,6 +81,7 @@ def _load() -> ctypes.CDLL:
             ctypes.POINTER(ctypes.c_longlong),
             ctypes.c_longlong,
         ]
+        lib.moe_counter_copy_events.argtypes = lib.moe_counter_copy_timeline.argtypes
         _lib = lib
     return _lib
 
@@ -140,14 +142,28 @@ def start_recording(capacity: int = 1 << 20) -> None:
     _load().moe_counter_start_recording(capacity)
 
 
-def stop_recording() -> Tuple[List[int], List[int]]:
-    """Stop recording; the (times ns, live bytes) recorded."""
+def stop_recording(events: bool = False):
+    """Stop recording; the (times ns, live bytes) recorded, and with ``events`` each event's
+    block pointer and signed size: (times, live bytes, pointers, sizes) as int64 arrays."""
     lib = _load()
     n = lib.moe_counter_stop_recording()
     times = (ctypes.c_longlong * n)()
     values = (ctypes.c_longlong * n)()
     lib.moe_counter_copy_timeline(times, values, n)
-    return list(times), list(values)
+    if not events:
+        return list(times), list(values)
+    import numpy as np
+
+    ptrs = (ctypes.c_longlong * n)()
+    deltas = (ctypes.c_longlong * n)()
+    lib.moe_counter_copy_events(ptrs, deltas, n)
+    # Arrays: a long step records millions of events.
+    return tuple(np.ctypeslib.as_array(a).copy() for a in (times, values, ptrs, deltas))
+
+
+def events_recorded() -> int:
+    """Events recorded since start_recording (the index the next one gets)."""
+    return _load().moe_counter_events()
 
 
 def downsample(pts: List[Tuple[int, int]], t0: int, points: int) -> Dict[str, List[float]]:

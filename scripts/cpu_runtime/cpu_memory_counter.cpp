@@ -3,7 +3,8 @@
 // A counting CPU allocator for measuring megatron-core on hosts without a GPU: it wraps c10's
 // CPU allocator and keeps, across all threads, the bytes currently allocated and the peak since
 // the last reset -- the host counterpart of torch.cuda.memory_allocated/max_memory_allocated.
-// Optionally it records (time, live bytes) after every allocation and free for a timeline.
+// Optionally it records (time, live bytes) after every allocation and free for a timeline, with
+// each event's block and signed size (which blocks are live at the peak: cpu_runtime.peak_tensors).
 // Loaded through ctypes by cpu_memory.py; nothing here is megatron-specific.
 
 #include <c10/core/Allocator.h>
@@ -26,10 +27,12 @@ c10::Allocator* g_inner = nullptr;
 // Timeline recording: a fixed buffer, filled while enabled, entries claimed atomically.
 std::vector<long long> g_times;
 std::vector<long long> g_bytes;
+std::vector<long long> g_ptrs;    // the block's data pointer
+std::vector<long long> g_deltas;  // +size for an allocation, -size for a free
 std::atomic<long long> g_next{0};
 std::atomic<bool> g_recording{false};
 
-void record(long long now) {
+void record(long long now, const void* ptr, long long delta) {
   if (!g_recording.load(std::memory_order_relaxed)) return;
   long long i = g_next.fetch_add(1);
   if (i < static_cast<long long>(g_times.size())) {
@@ -37,6 +40,8 @@ void record(long long now) {
                      std::chrono::steady_clock::now().time_since_epoch())
                      .count();
     g_bytes[i] = now;
+    g_ptrs[i] = reinterpret_cast<long long>(ptr);
+    g_deltas[i] = delta;
   }
 }
 
@@ -62,7 +67,7 @@ void release(void* data) {
   if (block.deleter != nullptr) block.deleter(block.context);
   long long now = g_current.fetch_sub(static_cast<long long>(block.nbytes)) -
                   static_cast<long long>(block.nbytes);
-  record(now);
+  record(now, data, -static_cast<long long>(block.nbytes));
 }
 
 struct CountingAllocator final : c10::Allocator {
@@ -84,7 +89,7 @@ struct CountingAllocator final : c10::Allocator {
     while (now > seen && !g_peak.compare_exchange_weak(seen, now)) {
     }
     g_allocations.fetch_add(1);
-    record(now);
+    record(now, data, static_cast<long long>(n));
     return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
@@ -120,6 +125,8 @@ void moe_counter_start_recording(long long capacity) {
   g_recording.store(false);
   g_times.assign(static_cast<size_t>(capacity), 0);
   g_bytes.assign(static_cast<size_t>(capacity), 0);
+  g_ptrs.assign(static_cast<size_t>(capacity), 0);
+  g_deltas.assign(static_cast<size_t>(capacity), 0);
   g_next.store(0);
   g_recording.store(true);
 }
@@ -133,4 +140,10 @@ void moe_counter_copy_timeline(long long* times, long long* bytes, long long n) 
   std::memcpy(times, g_times.data(), sizeof(long long) * n);
   std::memcpy(bytes, g_bytes.data(), sizeof(long long) * n);
 }
+void moe_counter_copy_events(long long* ptrs, long long* deltas, long long n) {
+  std::memcpy(ptrs, g_ptrs.data(), sizeof(long long) * n);
+  std::memcpy(deltas, g_deltas.data(), sizeof(long long) * n);
+}
+// Events recorded so far (while recording; may exceed the capacity).
+long long moe_counter_events() { return g_next.load(); }
 }

@@ -19,17 +19,19 @@ the patched tree. Per tree, on CPU ranks:
 
 from typing import Any, Dict, List
 
+from cpu_runtime import peak_tensors
 from cpu_runtime.launcher import run_distributed
 
 WORLD = 2
 RUNNER = "cpu_runtime.a2a_overlap:overlap_run"
 # The variants of the section: the default step, and behind options (memory_report.py
 # --overlap-pp, --overlap-large) the interleaved pipeline schedule (PP=2 x VPP=2 x EP=2, four
-# ranks) and a larger step (eight layers, eight microbatches of the report's sequence).
+# ranks, eight layers, eight microbatches of 512 tokens) and a larger step (sixteen layers,
+# eight microbatches of 512 tokens).
 VARIANTS = {
     "step": dict(layers=3, microbatches=4),
-    "pp": dict(layers=4, microbatches=4, pp=2, vpp=2),
-    "large": dict(layers=8, microbatches=8, mbs=2),
+    "pp": dict(layers=8, microbatches=8, pp=2, vpp=2, seq=512, mbs=1),
+    "large": dict(layers=16, microbatches=8, seq=512, mbs=1),
 }
 
 
@@ -39,12 +41,12 @@ def overlap_config(cfg: Dict[str, Any], variant: str = "step") -> Dict[str, Any]
     sharing the report's tokens per rank; ``pp`` and ``large``: see VARIANTS."""
     shape = dict(VARIANTS[variant])
     microbatches = shape["microbatches"]
+    shape.setdefault("seq", cfg["seq"])
     shape.setdefault("mbs", max(cfg["tokens"] // cfg["seq"] // microbatches, 1))
     return dict(
         {k: cfg[k] for k in ("hidden", "ffn", "heads", "experts", "topk", "vocab", "seed")},
         dispatcher=cfg.get("dispatcher", "flex"),
         backend=cfg["backend"],
-        seq=cfg["seq"],
         **shape,
     )
 
@@ -86,14 +88,23 @@ def measure(
     ocfg = overlap_config(cfg, variant)
     world = world_of(ocfg)
     section: Dict[str, Any] = {"config": ocfg, "peak_runs": peak_runs, "variant": variant}
-    timeout = 1800 if variant == "large" else 900
+    timeout = 900 if variant == "step" else 3000
     for name, tree in (("base", base), ("patched", patched)):
         log(f"overlap section ({variant}): {name}")
 
         def step(tree=tree, **kw):
             return run_distributed(RUNNER, world, tree, {"cfg": dict(ocfg, **kw)}, timeout)
 
-        measured = step(overlap=True, measure=True, timeline=True)
+        # With the op log: which tensors are alive at the peak, by the op that made them.
+        # The patched run also looks at the base's peak moments (the same program points).
+        moments = {}
+        if name == "patched":
+            moments = {
+                "peak_moments_by_rank": [
+                    peak_tensors.peak_moments(r["peak_tensors"]) for r in section["base"]
+                ]
+            }
+        measured = step(overlap=True, measure=True, timeline=True, peak_tensors=True, **moments)
         # The step's peak moves by up to ~1% between identical runs (gloo's worker threads
         # free collective buffers asynchronously): repeat it and report the range.
         peaks = [[r["peak_bytes"] for r in measured]]
@@ -118,6 +129,7 @@ def measure(
                 "attributed_by_holder": _by_holder(m["layers"]),
                 "chunk_state_bytes": max(sum(c["bytes"].values()) for c in m["chunks"]),
                 "bitwise_equal_to_no_overlap": _equal(m, reference[rank]),
+                "peak_tensors": m["peak_tensors"],
             }
             for rank, (m, d) in enumerate(zip(measured, dropped))
         ]
@@ -171,6 +183,11 @@ def table(section: Dict[str, Any]) -> str:
         for holder, n in b["attributed_by_holder"].items():
             m = p["attributed_by_holder"].get(holder, 0)
             lines.append(f"{'  ' + holder:34}{n:>16,}{m:>16,}")
+        if "peak_tensors" in b:
+            lines.append("  the peak, explained (bytes alive in base minus patched, by the op")
+            lines.append("  that made them: the node running, op, shape, megatron-core function)")
+            explained = peak_tensors.explain(b["peak_tensors"], p["peak_tensors"], rows=8)
+            lines += ["    " + line for line in explained]
         both = b["bitwise_equal_to_no_overlap"] and p["bitwise_equal_to_no_overlap"]
         eq = "yes" if both else "NO"
         lines.append(f"  overlap on == overlap off (losses, all gradients, bitwise): {eq}")
