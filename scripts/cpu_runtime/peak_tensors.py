@@ -244,7 +244,9 @@ def difference(base: List[Dict[str, Any]], patched: List[Dict[str, Any]]) -> Lis
     table: Dict[Tuple[Any, ...], List[int]] = {}
     for i, rows in enumerate((base, patched)):
         for r in rows:
-            table.setdefault(tuple(r[k] for k in keys), [0, 0])[i] += r["bytes"]
+            # (A shape read back from JSON is a list.)
+            key = tuple(tuple(r[k]) if isinstance(r[k], list) else r[k] for k in keys)
+            table.setdefault(key, [0, 0])[i] += r["bytes"]
     out = [
         dict(zip(keys, k), base=b, patched=p, difference=b - p)
         for k, (b, p) in table.items()
