@@ -11,7 +11,9 @@ Usage (the venv's python)::
 upstream-layout tests (pytest node ids under ``patches/upstream/tests``) that show it:
 ``fails_without`` must fail on the tree without the patch, with an error containing ``reason``
 (or one of a list of them), and pass on the tree with it; ``guards`` (values the patch must not
-change) must pass with it; ``nproc`` (default 8) is the ranks its tests need.
+change) must pass with it; ``nproc`` (default 8) is the ranks its tests need; ``base_reason``
+also counts on the unpatched base (``--ends``), where a test may first fail at what an earlier
+patch of the series adds.
 
 The trees are the base's sdist with a prefix of its series applied, in series order: patch k
 is tested on prefix k-1 (without) and prefix k (with), so every commit of the series is shown
@@ -71,6 +73,8 @@ class PatchTests:
     guards: List[str]
     options: List[str]
     nproc: int = DEFAULT_NPROC
+    # On the unpatched base (--ends) a test may fail first at what an earlier patch adds.
+    base_reason: List[str] = dataclasses.field(default_factory=list)
 
 
 def load_manifest(path: Path = MANIFEST, tests_dir: Path = UPSTREAM_TESTS) -> Dict[str, PatchTests]:
@@ -82,7 +86,8 @@ def load_manifest(path: Path = MANIFEST, tests_dir: Path = UPSTREAM_TESTS) -> Di
     out = {}
     for name, entry in data.get("patch", {}).items():
         where = f"{path.name}: [patch.{name!r}]"
-        unknown = set(entry) - {"file", "fails_without", "reason", "guards", "options", "nproc"}
+        known = {"file", "fails_without", "reason", "base_reason", "guards", "options", "nproc"}
+        unknown = set(entry) - known
         if unknown:
             raise UserError(f"{where}: unknown key {sorted(unknown)[0]!r}")
         tests = PatchTests(
@@ -92,6 +97,7 @@ def load_manifest(path: Path = MANIFEST, tests_dir: Path = UPSTREAM_TESTS) -> Di
             _nodeids(entry, "guards"),
             list(entry.get("options", [])),
             entry.get("nproc", DEFAULT_NPROC),
+            _reasons(entry.get("base_reason", []), where, "base_reason"),
         )
         if not isinstance(tests.nproc, int) or isinstance(tests.nproc, bool) or tests.nproc < 1:
             raise UserError(f"{where}: nproc must be a positive integer, got {tests.nproc!r}")
@@ -105,11 +111,11 @@ def load_manifest(path: Path = MANIFEST, tests_dir: Path = UPSTREAM_TESTS) -> Di
     return out
 
 
-def _reasons(value, where: str) -> List[str]:
+def _reasons(value, where: str, key: str = "reason") -> List[str]:
     """``reason``: one substring or a list of them (a failure must contain one)."""
     reasons = [value] if isinstance(value, str) else value
     if not isinstance(reasons, list) or not all(isinstance(r, str) and r for r in reasons):
-        raise UserError(f"{where}: reason must be a non-empty string or a list of them")
+        raise UserError(f"{where}: {key} must be a non-empty string or a list of them")
     return reasons
 
 
@@ -193,7 +199,8 @@ def expectations(entries: Dict[int, PatchTests], ends: bool, n: int) -> List[dic
     for k, e in entries.items():
         without, with_ = (0, n) if ends else (k - 1, k)
         for t in e.fails_without:
-            out.append(dict(patch=e.patch, test=t, prefix=without, want="failed", reason=e.reason))
+            reason = e.reason + e.base_reason if ends else e.reason
+            out.append(dict(patch=e.patch, test=t, prefix=without, want="failed", reason=reason))
             out.append(dict(patch=e.patch, test=t, prefix=with_, want="passed", reason=[]))
         for t in e.guards:
             out.append(dict(patch=e.patch, test=t, prefix=with_, want="passed", reason=[]))

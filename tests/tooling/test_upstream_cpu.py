@@ -303,6 +303,16 @@ def test_plan_and_evaluate():
     for outcomes in (other_reason, passes_without, not_run):
         checks = per_patch.evaluate(per_patch.expectations(e, False, 3), outcomes)
         assert sum(not c["ok"] for c in checks) == 1, checks
+    # base_reason counts only on the unpatched base (--ends): there a test may first fail at
+    # what an earlier patch adds.
+    e[3].base_reason = ["no attribute 'reset'"]
+    missing = dict(outcome="failed", reason="rank 0: call: AttributeError: no attribute 'reset'")
+    on_base = {0: {"t::b": failed, "t::c": missing}, 3: {"t::b": passed, "t::gb": passed}}
+    on_base[3]["t::c"] = passed
+    assert all(c["ok"] for c in per_patch.evaluate(per_patch.expectations(e, True, 3), on_base))
+    prefix = {**good, 2: {**good[2], "t::c": missing}}
+    checks = per_patch.evaluate(per_patch.expectations(e, False, 3), prefix)
+    assert [c["test"] for c in checks if not c["ok"]] == ["t::c"], checks
 
 
 def test_one_patch_fails_without_and_passes_with(tmp_path):
