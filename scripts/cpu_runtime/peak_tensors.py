@@ -10,6 +10,11 @@ data pointers of its outputs, the op, their shape and dtype, the innermost megat
 that ran it and the phase the caller set (the schedule node running): the first op to finish
 after a block's allocation with that block as an output made it. Blocks no op returned (gloo's
 buffers, allocations inside C++ kernels) are "not an op output".
+
+Two runs compared at one program point (:func:`explain`) can name one allocation differently:
+gloo's threads free buffers asynchronously, so an address freed in one run may be reused there
+by a block no op returned. Such rows come in pairs of equal size and opposite sign and cancel
+in the sum; the rows that differ for a reason are the same in every run and rank.
 """
 
 import sys
