@@ -110,11 +110,6 @@ def attribute(live: Dict[int, Tuple[int, int]], log: OpLog) -> List[Dict[str, An
     return sorted(rows, key=lambda r: -r["bytes"])
 
 
-def phase_at(event: int, log: OpLog) -> Optional[Tuple[Any, ...]]:
-    """What ran at an event: the first logged op returning after it."""
-    return next((d for e, _, d in log.entries if e > event), None)
-
-
 def phase_maxima(values, log: OpLog) -> Dict[str, Tuple[int, int]]:
     """Per phase, the highest event while it ran: ``{phase: (live bytes, event index)}``. An
     event belongs to the phase of the first logged op returning after it."""
@@ -135,8 +130,8 @@ def phase_maxima(values, log: OpLog) -> Dict[str, Tuple[int, int]]:
 
 
 def moment_of(event: int, log: OpLog) -> Optional[List[Any]]:
-    """A point of the program, the same in two runs of one schedule: ``[phase, k, offset]``,
-    the event ``offset`` events into the ``k``-th logged op of ``phase``."""
+    """A point of the program, the same in two runs of one schedule: ``[phase, k]``, the
+    ``k``-th logged op of ``phase`` (the op returning first after ``event``)."""
     import bisect
 
     events = [e for e, _, _ in log.entries]
@@ -144,13 +139,16 @@ def moment_of(event: int, log: OpLog) -> Optional[List[Any]]:
     if m == len(events):
         return None
     phase = log.entries[m][2][0]
-    k = sum(1 for _, _, d in log.entries[:m] if d[0] == phase)
-    return [phase, k, event - (events[m - 1] if m else 0)]
+    return [phase, sum(1 for _, _, d in log.entries[:m] if d[0] == phase)]
 
 
-def event_of(moment: List[Any], log: OpLog) -> Optional[int]:
-    """The event at a :func:`moment_of` in this run (None if its phase ran fewer ops)."""
-    phase, k, offset = moment
+def event_of(moment: List[Any], log: OpLog, values) -> Optional[int]:
+    """This run's highest event while the op at a :func:`moment_of` ran (from the previous op's
+    return to its own): not an offset into it, as the two runs may free different blocks
+    there (None if the phase ran fewer ops)."""
+    import numpy as np
+
+    phase, k = moment[:2]
     seen = 0
     for m, (e, _, d) in enumerate(log.entries):
         if d[0] != phase:
@@ -162,7 +160,10 @@ def event_of(moment: List[Any], log: OpLog) -> Optional[int]:
             while first > 0 and log.entries[first - 1][0] == e:
                 first -= 1
             begin = log.entries[first - 1][0] if first else 0
-            return min(begin + offset, e - 1)
+            end = min(e, len(values))
+            if end <= begin:
+                return None
+            return begin + int(np.argmax(values[begin:end]))
         seen += 1
     return None
 
@@ -187,7 +188,7 @@ def summarize(
         at[phase] = dict(_at(event, value, start, ptrs, deltas, log), moment=moment_of(event, log))
     aligned = {}
     for moment in moments:
-        event = event_of(moment, log)
+        event = event_of(moment, log, values)
         if event is not None:
             aligned[moment[0]] = _at(event, int(values[event]), start, ptrs, deltas, log)
     return {
@@ -216,7 +217,7 @@ def explain(base: Dict[str, Any], patched: Dict[str, Any], rows: int = 12) -> Li
     for phase in dict.fromkeys((base["peak_phase"], patched["peak_phase"])):
         b = base["at"].get(phase)
         p = patched.get("at_moments", {}).get(phase)
-        where = f"at the base's peak ({phase}, the same point in both)"
+        where = f"at the base's peak ({phase}, the same op in both)"
         if p is None or phase != base["peak_phase"]:
             p = patched["at"].get(phase)
             where = f"at the highest moment of {phase} in each"

@@ -315,31 +315,37 @@ def test_plan_and_evaluate():
     assert [c["test"] for c in checks if not c["ok"]] == ["t::c"], checks
 
 
-def test_one_patch_fails_without_and_passes_with(tmp_path):
-    """The CPU-import patch's test, through per_patch on the real trees: it fails on the
-    unpatched base (importing the schedules halts at Triton) and passes once the patch is
-    applied. Two one-rank launches (its manifest entry's nproc)."""
+@pytest.mark.parametrize(
+    "args,prefixes,reason",
+    [
+        # Two one-rank launches (the entry's nproc): importing the schedules halts at Triton.
+        pytest.param(
+            ["--patch", "import-and-build", "--timeout", "300"],
+            (0, 1),
+            "import of triton halted",
+            id="cpu-import",
+        ),
+        # Two 8-rank launches: the series up to the all-to-all patch still holds the tensors.
+        pytest.param(
+            ["--patch", "all-gather", "--first", "--timeout", "540"],
+            (3, 4),
+            "still holds the forward's tensors",
+            id="all-gather",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_one_patch_fails_without_and_passes_with(tmp_path, args, prefixes, reason):
+    """A patch's (first) test, through per_patch on the real trees: it fails on the series
+    prefix without the patch, for the manifest's reason, and passes once the patch is
+    applied."""
     out = tmp_path / "out.json"
-    rc = per_patch.main(["--patch", "import-and-build", "--timeout", "300", "--json", str(out)])
+    rc = per_patch.main([*args, "--json", str(out)])
     checks = json.loads(out.read_text())["checks"]
     assert rc == 0, checks
-    assert [(c["prefix"], c["outcome"]) for c in checks] == [(0, "failed"), (1, "passed")], checks
-    assert "import of triton halted" in checks[0]["got_reason"], checks
-
-
-@pytest.mark.slow
-def test_a_dispatcher_patch_fails_without_and_passes_with(tmp_path):
-    """The all-gather release patch's first test, through per_patch on the real trees: it fails
-    on the series up to the all-to-all patch (the dispatcher still holds the forward's
-    tensors) and passes once the patch is applied. Two 8-rank launches."""
-    out = tmp_path / "out.json"
-    rc = per_patch.main(
-        ["--patch", "all-gather", "--first", "--timeout", "540", "--json", str(out)]
-    )
-    checks = json.loads(out.read_text())["checks"]
-    assert rc == 0, checks
-    assert [(c["prefix"], c["outcome"]) for c in checks] == [(3, "failed"), (4, "passed")], checks
-    assert "still holds the forward's tensors" in checks[0]["got_reason"], checks
+    want = [(prefixes[0], "failed"), (prefixes[1], "passed")]
+    assert [(c["prefix"], c["outcome"]) for c in checks] == want, checks
+    assert reason in checks[0]["got_reason"], checks
 
 
 @pytest.mark.slow

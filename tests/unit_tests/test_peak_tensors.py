@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent(
     torch.set_num_threads(1)
     m.install()
 
-    def run(free_early):
+    def run(free_early, moments=()):
         old = torch.empty(3_000, dtype=torch.uint8)  # made before the recording
         m.start_recording()
         start = m.memory_allocated()
@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent(
             log.phase = "after"
             del c
         values, ptrs, deltas = m.stop_recording(events=True)[1:]
-        return pt.summarize(log, values, ptrs, deltas, start)
+        return pt.summarize(log, values, ptrs, deltas, start, moments=moments)
 
     late, early = run(False), run(True)
     assert late["peak_bytes"] == 4_000 + 1_000 - 3_000 + 8_000, late["peak_bytes"]
@@ -57,6 +57,15 @@ SCRIPT = textwrap.dedent(
     lines = pt.explain(late, early)
     assert "difference 4,000 B = 4,000 B alive in one and not the other" in lines[2], lines
     assert "+4,000  forward | aten.ones (1000,) float32" in lines[3], lines
+    # The base's peak moment in the other run, as the report passes it: the highest point of
+    # the same op (the backward's aten.full), though that run freed a block more before it.
+    moment = pt.peak_moments(late)[0]
+    assert moment[:2] == ["backward", 0], moment
+    aligned = run(True, moments=[moment])["at_moments"]["backward"]
+    assert aligned["bytes"] == early["peak_bytes"], aligned
+    lines = pt.explain(late, run(True, moments=pt.peak_moments(late)))
+    assert "at the base's peak (backward, the same op in both)" in lines[2], lines
+    assert "difference 4,000 B" in lines[2], lines
     print("ok")
     """
 )
