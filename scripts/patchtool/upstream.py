@@ -55,11 +55,18 @@ TOPIC_TESTS = {
     "dispatcher-state": ("test_token_dispatcher_state_release.py",),
     "a2a-overlap": ("test_schedule_state_release.py",),
     "comm-buffers": ("test_fused_a2a_release_comm_buffers.py",),
-    "cpu-import": ("test_paged_stash_import.py",),
+    "cpu-import": ("test_paged_stash_import.py", "test_router_gating_without_te.py"),
 }
 # A test file that is about one module, by the module: exported only to a target whose series
 # changes it (the CPU-import fix of release branches without the paged stash is another change).
-TEST_REQUIRES = {"test_paged_stash_import.py": "megatron/core/transformer/moe/paged_stash.py"}
+TEST_REQUIRES = {
+    "test_paged_stash_import.py": "megatron/core/transformer/moe/paged_stash.py",
+    "test_router_gating_without_te.py": "megatron/core/transformer/moe/moe_utils.py",
+}
+# A test file exported on its own (its branch lacks the topic's other tests) has its own message.
+TEST_FILE_MESSAGES = {
+    "test_router_gating_without_te.py": "patches/upstream/tests-message-cpu-import-te.txt"
+}
 # A paragraph of a series message that starts so is the overlay's own evidence (commands of this
 # repository); the export, whose reader has only Megatron-LM, leaves it out.
 OVERLAY_PARAGRAPH = "moe-release: "
@@ -241,6 +248,9 @@ def _tests_patch(
     message = UPSTREAM_TESTS_MESSAGE
     if topic != "memory":
         message = message.replace(".txt", f"-{topic}.txt")
+    names = {p.rsplit("/", 1)[-1] for p in files}
+    if len(names) == 1 and names <= set(TEST_FILE_MESSAGES):
+        message = TEST_FILE_MESSAGES[names.pop()]
     if not (root / message).exists():
         raise UserError(f"{message}: missing (the message of the {topic} tests patch)")
     text = (root / message).read_text().strip("\n")
@@ -340,6 +350,15 @@ PR_SUMMARY = {
         "none.",
     ),
 }
+# Where a branch's change of a topic is another one (core_r0.16.0 has no paged stash).
+PR_SUMMARY_ON = {
+    ("cpu-import", "core_r0.16.0"): (
+        "Let the MoE router run where Transformer Engine is absent: moe_utils.py defines "
+        "te_general_gemm as None when the Transformer Engine import fails, so "
+        "router_gating_linear takes its torch path instead of raising NameError.",
+        "none.",
+    ),
+}
 PR_FILE = "PR.md"
 
 
@@ -347,7 +366,7 @@ def pr_description(target: str, topic: str, series: list, root: Path = REPO_ROOT
     """The PR's description in upstream's template (.github/pull_request_template.md): what it
     does, the linked issue, the pre-checks as they stand, the commits, the tests and how to run
     them, and what the change does not cover (each commit's own "Not covered")."""
-    summary, related = PR_SUMMARY[topic]
+    summary, related = PR_SUMMARY_ON.get((topic, target), PR_SUMMARY[topic])
     test_files = sorted(export_test_files(topic, series, root))
     box = lambda done: "x" if done else " "  # noqa: E731
     out = [

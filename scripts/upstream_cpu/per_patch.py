@@ -13,7 +13,11 @@ upstream-layout tests (pytest node ids under ``patches/upstream/tests``) that sh
 (or one of a list of them), and pass on the tree with it; ``guards`` (values the patch must not
 change) must pass with it; ``nproc`` (default 8) is the ranks its tests need; ``base_reason``
 also counts on the unpatched base (``--ends``), where a test may first fail at what an earlier
-patch of the series adds.
+patch of the series adds. ``branch.<B>`` changes an entry on release branch B's bases (B lacks
+what some of its tests test, or its patch is another change): ``fails_without``, ``guards``,
+``reason`` and ``base_reason`` replace the entry's, ``skips`` are tests that must skip there
+(with ``skip_reason``) with and without the patch; a top-level ``[branch.<B>]``
+``base_reason`` applies to every entry on B (the unpatched base fails every test earlier).
 
 The trees are the base's sdist with a prefix of its series applied, in series order: patch k
 is tested on prefix k-1 (without) and prefix k (with), so every commit of the series is shown
@@ -75,6 +79,21 @@ class PatchTests:
     nproc: int = DEFAULT_NPROC
     # On the unpatched base (--ends) a test may fail first at what an earlier patch adds.
     base_reason: List[str] = dataclasses.field(default_factory=list)
+    # Tests that must skip (on a release branch without what they test), and why.
+    skips: List[str] = dataclasses.field(default_factory=list)
+    skip_reason: List[str] = dataclasses.field(default_factory=list)
+    # Release branch -> the fields that change there (``on``).
+    branches: Dict[str, dict] = dataclasses.field(default_factory=dict)
+
+    def on(self, branch: str) -> PatchTests:
+        """The entry as it applies on release branch ``branch``'s bases."""
+        e = dataclasses.replace(self, **self.branches.get(branch, {}), branches={})
+        e.fails_without = [t for t in e.fails_without if t not in e.skips]
+        e.guards = [t for t in e.guards if t not in e.skips]
+        return e
+
+
+BRANCH_KEYS = {"fails_without", "guards", "reason", "base_reason", "skips", "skip_reason"}
 
 
 def load_manifest(path: Path = MANIFEST, tests_dir: Path = UPSTREAM_TESTS) -> Dict[str, PatchTests]:
@@ -87,6 +106,7 @@ def load_manifest(path: Path = MANIFEST, tests_dir: Path = UPSTREAM_TESTS) -> Di
     for name, entry in data.get("patch", {}).items():
         where = f"{path.name}: [patch.{name!r}]"
         known = {"file", "fails_without", "reason", "base_reason", "guards", "options", "nproc"}
+        known.add("branch")
         unknown = set(entry) - known
         if unknown:
             raise UserError(f"{where}: unknown key {sorted(unknown)[0]!r}")
@@ -101,9 +121,12 @@ def load_manifest(path: Path = MANIFEST, tests_dir: Path = UPSTREAM_TESTS) -> Di
         )
         if not isinstance(tests.nproc, int) or isinstance(tests.nproc, bool) or tests.nproc < 1:
             raise UserError(f"{where}: nproc must be a positive integer, got {tests.nproc!r}")
+        tests.branches = _branches(entry, where, data.get("branch", {}))
         if not tests.fails_without:
             raise UserError(f"{where}: no fails_without test (each patch needs one)")
-        for nodeid in tests.fails_without + tests.guards:
+        named = [t for b in tests.branches.values() for k in ("fails_without", "guards", "skips")
+                 for t in b.get(k, [])]  # fmt: skip
+        for nodeid in tests.fails_without + tests.guards + named:
             file = nodeid.split("::", 1)[0]
             if not file.startswith("tests/") or not (tests_dir.parent / file).is_file():
                 raise UserError(f"{where}: {nodeid}: no such file under {tests_dir}")
@@ -117,6 +140,38 @@ def _reasons(value, where: str, key: str = "reason") -> List[str]:
     if not isinstance(reasons, list) or not all(isinstance(r, str) and r for r in reasons):
         raise UserError(f"{where}: {key} must be a non-empty string or a list of them")
     return reasons
+
+
+def _branches(entry: dict, where: str, common: dict) -> Dict[str, dict]:
+    """An entry's ``branch.<B>`` overrides, with the top-level ``[branch.<B>]``
+    ``base_reason`` added to each; UserError naming a bad key."""
+    out: Dict[str, dict] = {}
+    for branch, spec in common.items():
+        if not isinstance(spec, dict) or set(spec) - {"base_reason"}:
+            raise UserError(f"[branch.{branch!r}]: only base_reason may be set there")
+    for branch in set(entry.get("branch", {})) | set(common):
+        spec = entry.get("branch", {}).get(branch, {})
+        here = f"{where}: branch.{branch}"
+        if not isinstance(spec, dict) or set(spec) - BRANCH_KEYS:
+            bad = sorted(set(spec) - BRANCH_KEYS)[0] if isinstance(spec, dict) else spec
+            raise UserError(f"{here}: unknown key {bad!r}")
+        fields: Dict[str, object] = {}
+        for key in ("fails_without", "guards", "skips"):
+            if key in spec:
+                fields[key] = _nodeids(dict(spec, file=entry.get("file", "")), key)
+        for key in ("reason", "skip_reason", "base_reason"):
+            if key in spec:
+                fields[key] = _reasons(spec[key], here, key)
+        if "skips" in fields and "skip_reason" not in fields:
+            raise UserError(f"{here}: skips needs a skip_reason")
+        if "base_reason" in common.get(branch, {}):
+            own = fields.get("base_reason")
+            if own is None:
+                own = _reasons(entry.get("base_reason", []), here, "base_reason")
+            extra = _reasons(common[branch]["base_reason"], f"[branch.{branch!r}]", "base_reason")
+            fields["base_reason"] = own + [r for r in extra if r not in own]
+        out[branch] = fields
+    return out
 
 
 def _nodeids(entry: dict, key: str) -> List[str]:
@@ -185,11 +240,11 @@ def plan(entries: Dict[int, PatchTests], ends: bool, n: int) -> List[Launch]:
 
     for k, e in entries.items():
         if ends:
-            add(0, e.fails_without, e)
-            add(n, e.fails_without + e.guards, e)
+            add(0, e.fails_without + e.skips, e)
+            add(n, e.fails_without + e.guards + e.skips, e)
         else:
-            add(k - 1, e.fails_without, e)
-            add(k, e.fails_without + e.guards, e)
+            add(k - 1, e.fails_without + e.skips, e)
+            add(k, e.fails_without + e.guards + e.skips, e)
     return [by_prefix[k] for k in sorted(by_prefix)]
 
 
@@ -198,6 +253,11 @@ def expectations(entries: Dict[int, PatchTests], ends: bool, n: int) -> List[dic
     out = []
     for k, e in entries.items():
         without, with_ = (0, n) if ends else (k - 1, k)
+        for t in e.skips:
+            for prefix in (without, with_):
+                out.append(
+                    dict(patch=e.patch, test=t, prefix=prefix, want="skipped", reason=e.skip_reason)
+                )
         for t in e.fails_without:
             reason = e.reason + e.base_reason if ends else e.reason
             out.append(dict(patch=e.patch, test=t, prefix=without, want="failed", reason=reason))
@@ -224,7 +284,7 @@ def run(
     for k in select(series, wanted):
         if primaries[k - 1] not in tests:
             raise UserError(f"{manifest.name}: no entry for {primaries[k - 1]} (its tests)")
-        e = tests[primaries[k - 1]]
+        e = tests[primaries[k - 1]].on(base.branch)
         if first:
             e = dataclasses.replace(e, fails_without=e.fails_without[:1], guards=[])
         entries[k] = dataclasses.replace(e, patch=series[k - 1][0])
@@ -276,7 +336,7 @@ def print_report(result: dict) -> None:
     for c in result["checks"]:
         mark = "ok  " if c["ok"] else "FAIL"
         test = c["test"].split("::", 1)[1]
-        why = f"  ({c['got_reason'][:140]})" if c["outcome"] == "failed" else ""
+        why = f"  ({c['got_reason'][:140]})" if c["outcome"] in ("failed", "skipped") else ""
         print(f"  {mark} {c['patch'][:44]:44} +{c['prefix']:<2} {c['outcome']:7} {test}{why}")
         if not c["ok"]:
             want = c["want"] + (f" with one of {c['reason']}" if c["reason"] else "")

@@ -17,6 +17,7 @@ exists (never on CI), on core_r0.19.0 with and without the series.
 """
 
 import ast
+import dataclasses
 import json
 import os
 import re
@@ -238,7 +239,9 @@ def test_manifest_covers_every_patch_of_every_series():
             assert primary in manifest, f"{version}: {name} ({primary}) has no tests"
     used = set()
     for entry in manifest.values():
-        for nodeid in entry.fails_without + entry.guards:
+        overrides = [t for b in entry.branches.values() for k in ("fails_without", "guards",
+                     "skips") for t in b.get(k, [])]  # fmt: skip
+        for nodeid in entry.fails_without + entry.guards + overrides:
             file, cls, func = _manifest_targets(nodeid)
             used.add(file)
             want = f"{cls}.{func}" if cls else func
@@ -313,6 +316,59 @@ def test_plan_and_evaluate():
     prefix = {**good, 2: {**good[2], "t::c": missing}}
     checks = per_patch.evaluate(per_patch.expectations(e, False, 3), prefix)
     assert [c["test"] for c in checks if not c["ok"]] == ["t::c"], checks
+
+
+def test_branch_overrides(tmp_path):
+    """``branch.<B>`` changes an entry on release branch B: its tests and reasons replace the
+    entry's, ``skips`` must skip (with ``skip_reason``) on both trees and leave the entry's
+    lists; a top-level ``[branch.<B>]`` base_reason joins every entry's on B. Bad keys are
+    refused, naming the entry."""
+    path = tmp_path / "m.toml"
+    path.write_text(
+        '[patch."A.patch"]\nfile = "tests/unit_tests/transformer/moe/'
+        'test_paged_stash_import.py"\nreason = "held"\n'
+        'fails_without = ["test_schedules_import_without_triton_and_paged_stash_names_it"]\n'
+        'branch."r16".fails_without = ["tests/unit_tests/transformer/moe/'
+        'test_router_gating_without_te.py::test_router_gating_runs_without_transformer_engine"]\n'
+        'branch."r16".reason = "te_general_gemm"\n'
+        'branch."r17".skips = ["test_schedules_import_without_triton_and_paged_stash_names_it"]\n'
+        'branch."r17".skip_reason = "no stash"\n'
+        '[branch."r16"]\nbase_reason = "undefined"\n'
+    )
+    entry = per_patch.load_manifest(path)["A.patch"]
+    assert entry.on("main") == dataclasses.replace(entry, branches={})
+    r16 = entry.on("r16")
+    assert r16.reason == ["te_general_gemm"] and r16.base_reason == ["undefined"]
+    assert r16.fails_without[0].endswith("::test_router_gating_runs_without_transformer_engine")
+    r17 = entry.on("r17")
+    assert r17.fails_without == [] and len(r17.skips) == 1
+    wanted = per_patch.expectations({1: r17}, False, 1)
+    assert [(x["prefix"], x["want"], x["reason"]) for x in wanted] == [
+        (0, "skipped", ["no stash"]),
+        (1, "skipped", ["no stash"]),
+    ]
+    skipped = dict(outcome="skipped", reason="this branch has no stash")
+    test = r17.skips[0]
+    assert all(
+        c["ok"] for c in per_patch.evaluate(wanted, {0: {test: skipped}, 1: {test: skipped}})
+    )
+    ran = per_patch.evaluate(wanted, {0: {test: skipped}, 1: {test: dict(outcome="passed")}})
+    assert [c["ok"] for c in ran] == [True, False]
+    bad = {
+        'branch."r17".skip = ["x"]\n': "branch.r17: unknown key 'skip'",
+        'branch."r17".skips = ["test_schedules_import_without_triton_and_paged_stash_names_it"]\n':
+            "branch.r17: skips needs a skip_reason",
+        '[branch."r16"]\nreason = "x"\n': "[branch.'r16']: only base_reason may be set there",
+    }  # fmt: skip
+    head = (
+        '[patch."A.patch"]\nfile = "tests/unit_tests/transformer/moe/'
+        'test_paged_stash_import.py"\nreason = "held"\n'
+        'fails_without = ["test_schedules_import_without_triton_and_paged_stash_names_it"]\n'
+    )
+    for text, message in bad.items():
+        path.write_text(head + text)
+        with pytest.raises(UserError, match=re.escape(message)):
+            per_patch.load_manifest(path)
 
 
 @pytest.mark.parametrize(

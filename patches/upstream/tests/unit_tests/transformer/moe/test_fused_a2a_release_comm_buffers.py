@@ -26,14 +26,20 @@ import pytest
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe import fused_a2a
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
-from megatron.core.transformer.spec_utils import get_submodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.test_utilities import Utils
+
+try:
+    from megatron.core.transformer.spec_utils import get_submodules
+except ImportError:  # core_r0.16.0: an MoE spec is a ModuleSpec
+    from operator import attrgetter
+
+    get_submodules = attrgetter("submodules")
 
 NUM_EXPERTS = 8
 HIDDEN_SIZE = 1024
@@ -41,6 +47,14 @@ SEQ_LEN = 16
 MICRO_BATCH = 2
 # Two ways to split 8 ranks into EP groups of 4: parallel_state's, and a second model's.
 OTHER_EP_GROUPS = ([0, 2, 4, 6], [1, 3, 5, 7])
+
+
+def moe_submodules() -> MoESubmodules:
+    """The MoE submodules of the local (non-TE) GPT layer spec."""
+    spec = get_gpt_layer_local_spec(num_experts=NUM_EXPERTS, moe_grouped_gemm=False)
+    submodules = get_submodules(spec.submodules.mlp)
+    assert isinstance(submodules, MoESubmodules)
+    return submodules
 
 
 def _skip_unless(backend: str) -> None:
@@ -76,10 +90,7 @@ def _build_moe_layer(backend: str, pg_collection=None, seed: int = 123) -> MoELa
         bf16=True,
         params_dtype=torch.bfloat16,
     )
-    submodules = get_submodules(
-        get_gpt_layer_local_submodules(num_experts=NUM_EXPERTS, moe_grouped_gemm=False).mlp
-    )
-    assert isinstance(submodules, MoESubmodules)
+    submodules = moe_submodules()
     layer = MoELayer(config, submodules, pg_collection=pg_collection)
     layer = layer.cuda().to(dtype=torch.bfloat16)
     layer.set_layer_number(0)
@@ -294,7 +305,16 @@ class TestFusedA2ACommBuffers:
         num_tokens = SEQ_LEN * MICRO_BATCH
         if fused_a2a.HAVE_HYBRIDEP:
             for group in (group_a, group_b):
-                fused_a2a.init_hybrid_ep_buffer(group, HIDDEN_SIZE, num_tokens, NUM_EXPERTS // 4)
+                # By keyword: core_r0.17.0 requires these three, later branches default them.
+                fused_a2a.init_hybrid_ep_buffer(
+                    group,
+                    HIDDEN_SIZE,
+                    num_tokens,
+                    NUM_EXPERTS // 4,
+                    num_sms_dispatch_api=16,
+                    num_sms_combine_api=16,
+                    fp8_dispatch=False,
+                )
         if fused_a2a.HAVE_DEEP_EP:
             fused_a2a.get_buffer(group_a, HIDDEN_SIZE * 2)
         held = [*fused_a2a._hybrid_ep_buffers.values(), fused_a2a._buffer]

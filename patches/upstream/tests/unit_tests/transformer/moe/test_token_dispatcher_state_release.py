@@ -26,14 +26,20 @@ from typing import Dict, List, Optional, Sequence
 import pytest
 import torch
 
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe import fused_a2a
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-from megatron.core.transformer.spec_utils import get_submodules
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import is_te_min_version
+from megatron.core.utils import get_te_version, is_te_min_version
 from tests.unit_tests.test_utilities import Utils
+
+try:
+    from megatron.core.transformer.spec_utils import get_submodules
+except ImportError:  # core_r0.16.0: an MoE spec is a ModuleSpec
+    from operator import attrgetter
+
+    get_submodules = attrgetter("submodules")
 
 SEQ_LEN = 16
 MICRO_BATCH = 2
@@ -48,6 +54,14 @@ SHARED_EXPERTS = dict(moe_shared_expert_intermediate_size=64)
 SHARED_EXPERTS_OVERLAP = dict(
     moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True
 )
+
+
+def moe_submodules() -> MoESubmodules:
+    """The MoE submodules of the local (non-TE) GPT layer spec."""
+    spec = get_gpt_layer_local_spec(num_experts=NUM_EXPERTS, moe_grouped_gemm=False)
+    submodules = get_submodules(spec.submodules.mlp)
+    assert isinstance(submodules, MoESubmodules)
+    return submodules
 
 
 def is_deep_ep_available() -> bool:
@@ -113,10 +127,7 @@ def build_moe_layer(
         params_dtype=dtype,
         **config_kwargs,
     )
-    submodules = get_submodules(
-        get_gpt_layer_local_submodules(num_experts=NUM_EXPERTS, moe_grouped_gemm=False).mlp
-    )
-    assert isinstance(submodules, MoESubmodules)
+    submodules = moe_submodules()
     layer = MoELayer(config, submodules).cuda().to(dtype=dtype)
     layer.set_layer_number(0)
     return layer
@@ -373,7 +384,11 @@ class TestDispatcherStateRelease:
         layer = build_moe_layer(moe_token_dispatcher_type, 2, 4, recompute=True, **variant)
         check_release(layer)
 
-    @pytest.mark.skipif(not is_te_min_version("2.1.0"), reason="moe_permute_fusion needs TE 2.1")
+    @pytest.mark.skipif(
+        # core_r0.16.0's is_te_min_version raises without Transformer Engine
+        get_te_version() is None or not is_te_min_version("2.1.0"),
+        reason="moe_permute_fusion needs TE 2.1",
+    )
     @pytest.mark.internal
     @pytest.mark.parametrize("moe_token_dispatcher_type", ["allgather", "alltoall"])
     def test_state_released_with_permute_fusion(self, moe_token_dispatcher_type):
@@ -437,7 +452,13 @@ class TestFlexDispatcherStateRelease:
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
     def test_hybridep_state_released_with_shared_experts_overlap(self):
-        layer = build_flex_layer("hybridep", recompute=True, **SHARED_EXPERTS_OVERLAP)
+        try:
+            layer = build_flex_layer("hybridep", recompute=True, **SHARED_EXPERTS_OVERLAP)
+        except ValueError as exc:
+            # Up to core_r0.17.0 the shared-expert overlap is the all-to-all dispatcher's only.
+            if "only works with alltoall token dispatcher" not in str(exc):
+                raise
+            pytest.skip(f"this branch has no flex shared-expert overlap ({exc})")
         check_release(layer)
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
