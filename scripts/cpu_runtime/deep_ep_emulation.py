@@ -285,23 +285,48 @@ def _cdiv(a: int, b: int) -> int:
     return (max(a, 1) - 1) // b + 1
 
 
+def _planner() -> types.ModuleType:
+    """The overlay's ``moe_memory_planner`` (standard library only), by file path: the buffer
+    terms the emulation allocates are the planner's, read from deep_ep's source."""
+    global _PLANNER
+    if _PLANNER is None:
+        spec = importlib.util.spec_from_file_location("_moe_release_memory_planner", PLANNER)
+        _PLANNER = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_PLANNER)
+    return _PLANNER
+
+
+PLANNER = (
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    + "/megatron/core/transformer/moe/moe_memory_planner.py"
+)
+_PLANNER: Optional[types.ModuleType] = None
+
+
 def hybrid_ep_buffer_bytes(
-    max_num_of_tokens_per_rank: int,
+    rows: int,
     hidden_dim: int,
     num_local_experts: int,
     num_of_ranks: int,
+    ranks_per_node: Optional[int] = None,
+    blocks_preprocessing: Optional[int] = None,
 ) -> int:
-    """Bytes of HybridEP's intranode buffer, as DeepEP's hybrid-ep sizes it: rows per rank are
-    ``max(tokens, 512)`` rounded up to the combine chunk (``NUM_OF_TOKENS_PER_CHUNK_COMBINE_API``,
-    default 64); for ``N`` = rows x ranks and ``E`` = the group's expert columns it holds BF16
-    tokens ``N*2H``, FP32 probabilities ``N*4E``, a routing-map byte per expert column ``N*E``
-    and FP32 scaling factors ``N*4*ceil(H/128)`` (allocated even without FP8); dispatch outputs
-    alias the combine inputs. (T=1000, 2 ranks, H=2048, E=256: 11,141,120 bytes.)"""
-    chunk = int(os.environ.get("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", "64"))
-    rows = -(-max(max_num_of_tokens_per_rank, 512) // chunk) * chunk
-    n = rows * num_of_ranks
-    e = num_local_experts * num_of_ranks
-    return n * (2 * hidden_dim + 5 * e + 4 * -(-hidden_dim // 128))
+    """Device bytes of one rank's HybridEP buffer for ``rows`` rows per rank, every term the
+    planner reads from deep_ep's source (``moe_memory_planner.hybridep_buffer_terms``: the
+    16-bit combine tokens, FP32 probabilities of the NVLink domain's experts, FP32 scaling
+    factors ``floor(H/128)`` per token, the all-gathered routing map, chunk flags and scratch).
+    (1024 rows, 2 ranks, H=2048, 128 local experts: 11,254,272 bytes.)"""
+    planner = _planner()
+    r = ranks_per_node or num_of_ranks
+    layout = planner.HybridEPLayout(
+        hidden=hidden_dim,
+        local_experts=num_local_experts,
+        ranks_per_node=r,
+        nodes=num_of_ranks // r,
+        rows=rows,
+        blocks_preprocessing=blocks_preprocessing or planner.DEFAULT_BLOCKS_PREPROCESSING,
+    )
+    return planner.total(planner.hybridep_buffer_terms(layout), planner.OUTSIDE)
 
 
 def _group_size(group) -> int:
@@ -474,10 +499,32 @@ class HybridEPBuffer:
         self.num_sms_preprocessing_api = num_sms_preprocessing_api
         self.num_blocks_permute = num_blocks_permute
         self.num_blocks_unpermute = num_blocks_unpermute
+        self.num_of_ranks_per_nvlink_domain = num_of_ranks_per_nvlink_domain
+        # Rows per rank: the first call's tokens, at least 512, rounded to the combine chunk
+        # (config.cuh:384-387); later calls grow them (_grow).
+        self.rows = _planner().hybridep_rows(max_num_of_tokens_per_rank)
+        self._allocate()
+
+    def _allocate(self) -> None:
         self.nbytes = hybrid_ep_buffer_bytes(
-            max_num_of_tokens_per_rank, hidden_dim, num_local_experts, self.group_size
+            self.rows,
+            self.hidden_dim,
+            self.num_local_experts,
+            self.group_size,
+            self.num_of_ranks_per_nvlink_domain,
+            self.num_sms_preprocessing_api,
         )
         self.memory = torch.empty(self.nbytes, dtype=torch.uint8, device=_buffer_device())
+
+    def _grow(self, num_tokens: int) -> None:
+        """``update_buffer`` (``hybrid_ep_buffer.py:140-165``, ``hybrid_ep.cu:109-133``): a call
+        with more tokens than the rows grows them (tokens rounded to 16, then to the combine
+        chunk); the old buffer is freed before the new one is allocated."""
+        rows = _planner().hybridep_rows_after(self.rows, num_tokens)
+        if rows > self.rows:
+            self.rows = rows
+            self.memory = None
+            self._allocate()
 
     def _preprocess(
         self,
@@ -643,6 +690,7 @@ class HybridEPBuffer:
             raise ValueError("num_permuted_tokens is required for non-blocking mode.")
         num_tokens, _ = hidden.shape
         if handle is None:
+            self._grow(num_tokens)
             if routing_map is None:
                 if topk_idx is None or num_of_experts is None:
                     raise ValueError("dispatch_with_permute needs a routing map or a handle.")
@@ -753,20 +801,24 @@ class HybridEPBuffer:
 
 
 class Config:
-    """Stand-in for DeepEP's tuning ``Config``: the buffer size hints and ``num_sms`` (two SMs
-    per channel, so ``num_sms // 2`` channels size the prefix matrices)."""
+    """DeepEP's tuning ``Config(num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv)``: its
+    buffer size hints are the real ones (``csrc/config.hpp:51-103``, from the planner), the
+    RDMA receive chunk rounded up to a multiple of the send chunk (``config.hpp:45``)."""
 
     def __init__(self, num_sms: int = 20, *chunk_sizes: int) -> None:
         self.num_sms = num_sms
         self.chunk_sizes = chunk_sizes
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """NVLink buffer bytes: room for 4096 tokens from each rank."""
-        return hidden_bytes * num_ranks * 4096
+        """NVLink buffer bytes for ``num_ranks`` ranks (``config.hpp:51-73``)."""
+        return _planner().deepep_nvl_bytes(
+            hidden_bytes, num_ranks, self.num_sms, self.chunk_sizes[1]
+        )
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Intranode only: no RDMA buffer."""
-        return 0
+        """RDMA buffer bytes (``config.hpp:75-103``): 0 up to 8 ranks."""
+        _, _, send, recv = self.chunk_sizes
+        return _planner().deepep_rdma_bytes(hidden_bytes, num_ranks, self.num_sms, send, recv)
 
 
 # Buffers built with explicitly_destroy that were never destroyed: deep_ep leaks them, so their
@@ -844,8 +896,12 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         # The C++ runtime; destroy() sets it to None, as the real one does (buffer.py:143).
         self.runtime = _EmulatedRuntime()
+        # One allocation for the NVLink buffer with its barrier signals and pointers, the 32 MiB
+        # workspace, and the RDMA buffer (deep_ep.cpp:145-188, 341-356; the planner's terms).
+        planner = _planner()
+        device_bytes = num_nvl_bytes + planner.DEEPEP_NVL_META + planner.DEEPEP_WORKSPACE
         self.memory = torch.empty(
-            num_nvl_bytes + num_rdma_bytes, dtype=torch.uint8, device=_buffer_device()
+            device_bytes + num_rdma_bytes, dtype=torch.uint8, device=_buffer_device()
         )
 
     def destroy(self) -> None:
@@ -881,13 +937,18 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
-        """Tuning config for dispatch (sizes only matter to the buffer hints)."""
-        return Config(Buffer.num_sms)
+        """The recommended dispatch config (``buffer.py:240-253``): refuses a group size it
+        has none for, as the real one asserts."""
+        configs = _planner().DEEPEP_DISPATCH_CONFIGS
+        assert num_ranks in configs, f"Unsupported number of EP ranks: {num_ranks}"
+        return Config(Buffer.num_sms, *configs[num_ranks])
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        """Tuning config for combine (sizes only matter to the buffer hints)."""
-        return Config(Buffer.num_sms)
+        """The recommended combine config (``buffer.py:268-281``)."""
+        configs = _planner().DEEPEP_COMBINE_CONFIGS
+        assert num_ranks in configs, f"Unsupported number of EP ranks: {num_ranks}"
+        return Config(Buffer.num_sms, *configs[num_ranks])
 
     def get_dispatch_layout(
         self,

@@ -145,6 +145,18 @@ def build_moe_layer(config, layer_number: int = 1):
     return on_device(spec(config=config, layer_number=layer_number))
 
 
+class InputHolder(torch.nn.Module):
+    """A model input held as a parameter (an embedding's output stands for it): what follows
+    sees a graph output, and probes count the input as the model's own."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        super().__init__()
+        self.x = torch.nn.Parameter(x.clone())
+
+    def forward(self) -> torch.Tensor:
+        return self.x * 1.0
+
+
 def on_device(module: torch.nn.Module) -> torch.nn.Module:
     """``module.cuda()`` under the placement rules (:mod:`cpu_runtime.placement`), as megatron's
     training loop and upstream's tests move a model built with ``use_cpu_initialization``:

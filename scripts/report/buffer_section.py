@@ -1,8 +1,8 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
 """The memory report's rows for the flex dispatcher's communication buffers: their bytes and
-what ``reset_fused_a2a_buffers()`` returns, and the HybridEP accounting's prediction
-(``scripts/hybridep_memory.py``) beside what the run measured."""
+what ``reset_fused_a2a_buffers()`` returns, and the memory planner's prediction
+(``scripts/moe_memory_plan.py``) beside what the run measured."""
 
 from typing import Any, Dict, List, Optional
 
@@ -26,20 +26,23 @@ def comm_buffer_lines(b: Optional[Dict[str, Any]], p: Optional[Dict[str, Any]]) 
 
 
 def hybridep_prediction(cfg: Dict[str, Any], world: int) -> Optional[Dict[str, Any]]:
-    """The HybridEP accounting's prediction for the report's configuration (flex/HybridEP
-    only): buffer bytes and one call's outputs, with balanced routing."""
+    """The memory planner's prediction for the report's configuration (flex/HybridEP only):
+    buffer bytes and one call's outputs, with balanced routing."""
     if cfg.get("dispatcher", "flex") != "flex" or cfg["backend"] != "hybridep":
         return None
-    import hybridep_memory
+    import moe_memory_plan
 
-    acc = hybridep_memory.load_accounting()
-    mc = acc.HybridEPMemoryConfig(
-        hidden=cfg["hidden"], num_experts=cfg["experts"], topk=cfg["topk"], ep=world,
-        tokens_per_rank=cfg["tokens"],
+    planner = moe_memory_plan.load_planner()
+    mc = planner.MoEMemoryConfig(
+        hidden_size=cfg["hidden"], num_moe_experts=cfg["experts"], moe_router_topk=cfg["topk"],
+        num_layers=cfg.get("layers", 1), expert_model_parallel_size=world,
+        tokens_per_rank=cfg["tokens"], moe_token_dispatcher_type="flex",
+        moe_flex_dispatcher_backend="hybridep", bf16=False,
     )  # fmt: skip
     # The report's model runs in fp32: 4-byte tokens where HybridEP moves 16-bit ones.
-    calls = acc.per_call_bytes(mc, token_bytes=4)
-    return {"buffer_bytes": acc.buffer_bytes(mc)["total"], "per_call": calls}
+    calls = planner.per_call_bytes(mc, token_bytes=4)
+    buffer = planner.total(planner.buffer_terms(mc), planner.OUTSIDE)
+    return {"buffer_bytes": buffer, "per_call": calls}
 
 
 def hybridep_accounting_lines(

@@ -590,3 +590,137 @@ def memory_probe_job(
             for r in reports
         ],
     }
+
+
+def retained_state_job(cases) -> list:
+    """Per case (dispatcher type, flex backend, layers, tokens, hidden, experts, topk,
+    recompute): a multi-layer MoE stack's forward and backward, then the retained-state probe
+    on every MoE layer, with the rows each layer's experts received (the routing's measured
+    input to the prediction)."""
+    import importlib
+
+    probe = importlib.import_module("megatron.core.transformer.moe.moe_memory_probe")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    moe_harness.init_megatron(ep=world)
+    out = []
+    for case in cases:
+        if case["recompute"] == "full":
+            out.append(_retained_state_full_recompute(case, probe))
+            continue
+        # megatron-core wants the softmax before the top-k for top-1 routing.
+        overrides = dict(
+            moe_token_dispatcher_type=case["dispatcher"], moe_router_pre_softmax=case["topk"] == 1
+        )
+        if case["dispatcher"] != "flex":
+            overrides["moe_flex_dispatcher_backend"] = None
+        config = moe_harness.moe_config(
+            case.get("backend") or "hybridep",
+            world,
+            num_experts=case["experts"],
+            topk=case["topk"],
+            hidden=case["hidden"],
+            ffn=2 * case["hidden"],
+            recompute=case["recompute"],
+            num_layers=case["layers"],
+            **overrides,
+        )
+        model = torch.nn.ModuleList(
+            [moe_harness.build_moe_layer(config, layer_number=i + 1) for i in range(case["layers"])]
+        )
+        model.train()
+        for layer in model:
+            harness.load_layer_weights(layer, config)
+        rows, received = _layer_counters(model)
+        # The input as a parameter (an embedding's output stands for it): every layer's input
+        # is a graph output, as in a model, and the probe counts the input as the model's.
+        x = harness.seeded((world, case["tokens"], 1, case["hidden"]), 5)[rank]
+        model.append(moe_harness.InputHolder(x))
+        h = model[-1]()
+        for layer in model[:-1]:
+            h, _ = layer(h)
+        h.float().sum().backward()
+        del h
+        out.append(_probed(case, model, rows, received, probe))
+        del model
+    return out
+
+
+def _layer_counters(layers) -> tuple:
+    """Hooks recording, per MoE layer, the rows its experts receive and (DeepEP) the tokens its
+    dispatch delivers."""
+    rows, received = {}, {}
+    for i, layer in enumerate(layers):
+
+        def record(module, args, i=i):
+            rows[i] = int(args[0].shape[0])
+
+        layer.experts.register_forward_pre_hook(record)
+        manager = getattr(layer.token_dispatcher, "_comm_manager", None)
+        if type(manager).__name__ == "_DeepepManager":
+            permute = manager.get_permuted_hidden_states_by_experts
+
+            def counted(hidden_states, i=i, permute=permute):
+                received[i] = int(hidden_states.shape[0])
+                return permute(hidden_states)
+
+            manager.get_permuted_hidden_states_by_experts = counted
+    return rows, received
+
+
+def _retained_state_full_recompute(case, probe) -> dict:
+    """The full-recompute case: a GPTModel (local spec) whose every layer is recomputed
+    (uniform, one layer per checkpoint), one forward and backward, then the probe."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    world = dist.get_world_size()
+    cfg = dict(experts=case["experts"], topk=case["topk"], hidden=case["hidden"],
+               ffn=2 * case["hidden"], layers=case["layers"], heads=4, vocab=64,
+               seq=case["tokens"], dispatcher=case["dispatcher"],
+               backend=case.get("backend") or "hybridep")  # fmt: skip
+    overrides = dict(recompute_granularity="full", recompute_method="uniform",
+                     recompute_num_layers=1, moe_router_pre_softmax=case["topk"] == 1)  # fmt: skip
+    if case["dispatcher"] != "flex":
+        overrides["moe_flex_dispatcher_backend"] = None
+    config = moe_harness.gpt_moe_config(cfg, world, **overrides)
+    spec = get_gpt_layer_local_spec(num_experts=case["experts"], moe_grouped_gemm=False)
+    model = moe_harness.gpt_model(config, cfg, spec)
+    model.train()
+    moe_layers = [m for _, m in model.named_modules() if hasattr(m, "token_dispatcher")]
+    rows, received = _layer_counters(moe_layers)
+    g = torch.Generator().manual_seed(11 + dist.get_rank())
+    tokens = torch.randint(0, cfg["vocab"], (1, cfg["seq"]), generator=g)
+    pos = torch.arange(cfg["seq"]).unsqueeze(0)
+    mask = torch.triu(torch.ones(cfg["seq"], cfg["seq"], dtype=torch.bool), diagonal=1)[None, None]
+    model(tokens, pos, attention_mask=mask, labels=tokens).float().mean().backward()
+    return _probed(case, model, rows, received, probe)
+
+
+def _probed(case, model, rows: dict, received: dict, probe) -> dict:
+    """The probe on every MoE layer of ``model`` after its backward: per layer what it pins,
+    and what all of them hold together (a later layer's graph may reach back through earlier
+    layers: every storage once), with the rows and tokens the layers received."""
+    reports = probe.probe_model(model)
+    keys = probe.model_storage_keys(model)
+    roots = []
+    for _, d in probe.find_moe_dispatchers(model):
+        roots += [t for _, t in probe._attr_tensors(d, "d")]
+        if getattr(d, "_comm_manager", None) is not None:
+            roots += [t for _, t in probe._attr_tensors(d._comm_manager, "m")]
+    union = probe.reachable_storages(roots)
+    return {
+        "case": case,
+        "union_bytes": sum(n for k, n in union.items() if k not in keys),
+        "layers": [
+            {
+                "rows": rows[i],
+                "received": received.get(i),
+                "pinned_bytes": r.pinned_bytes,
+                "paths": [
+                    (p.kind, p.nbytes, p.path, list(p.shape), p.dtype)
+                    for p in r.pinned
+                    if not p.shared_with_model
+                ],
+            }
+            for i, r in enumerate(reports)
+        ],
+    }

@@ -106,17 +106,17 @@ def test_loading_the_emulation_does_not_import_megatron(emulation):
 
 
 def test_buffers_allocate_their_documented_size(monkeypatch):
-    """The emulated buffers hold their real size in one counted tensor: HybridEP's by DeepEP's
-    hybrid-ep rule (rows padded to max(T, 512) and the combine chunk; tokens, probs, routing
-    map, scaling factors), DeepEP's as the NVLink + RDMA bytes megatron-core asks for."""
+    """The emulated buffers hold their real size in one counted tensor, the memory planner's
+    terms from deep_ep's source: HybridEP's for rows max(T, 512) rounded to the combine chunk
+    (by hand: 2,048 x (2 x 2048 + 4 x 256 + 4 x 16 + 256) + chunk flags 256 + scratch
+    108 x 130 x 8 + 576 small), DeepEP's NVLink + RDMA bytes with its barrier block and the
+    32 MiB workspace."""
     emu = load_deep_ep_emulation()
-    # The rule's worked example: T=1000 -> 1024 rows, group 2, H=2048, E=256 expert columns.
-    assert emu.hybrid_ep_buffer_bytes(1000, 2048, 128, 2) == 11_141_120
-    assert emu.hybrid_ep_buffer_bytes(1, 64, 4, 2) == emu.hybrid_ep_buffer_bytes(512, 64, 4, 2)
-    assert emu.hybrid_ep_buffer_bytes(513, 64, 4, 1) == 576 * (128 + 20 + 4)
-    monkeypatch.setenv("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", "128")
-    assert emu.hybrid_ep_buffer_bytes(513, 64, 4, 1) == 640 * (128 + 20 + 4)
+    assert emu.hybrid_ep_buffer_bytes(1024, 2048, 128, 2) == 11_254_272
+    for tokens, chunk, rows in [(1, "64", 512), (513, "64", 576), (513, "128", 640)]:
+        monkeypatch.setenv("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", chunk)
+        buf = emu.HybridEPBuffer(None, 64, tokens, 4)
+        assert buf.rows == rows
+        assert buf.memory.nbytes == buf.nbytes == emu.hybrid_ep_buffer_bytes(rows, 64, 4, 1)
     monkeypatch.delenv("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API")
-    buf = emu.HybridEPBuffer(None, 64, 100, 4)
-    assert buf.memory.nbytes == buf.nbytes == emu.hybrid_ep_buffer_bytes(100, 64, 4, 1)
-    assert emu.Buffer(None, 4096, 1024).memory.nbytes == 5120
+    assert emu.Buffer(None, 4096, 1024).memory.nbytes == 4096 + 160 + 32 * 1024 * 1024 + 1024
