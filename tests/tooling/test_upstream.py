@@ -17,6 +17,7 @@ from patchtool.upstream import (
     TOPIC_TESTS,
     VARIANT_TARGETS,
     check_export,
+    export_test_files,
     export_upstream,
     identity,
     target_series,
@@ -135,10 +136,25 @@ def test_each_pr_gets_a_description_in_upstreams_template(tmp_path, base, topic)
         assert heading in text, heading
     for name, data in topic_series(read_series(base), topic):
         assert upstream_subject(parse_patch(data, name).subject) in text
-    tests = TOPIC_TESTS[topic]
+    # The tests this branch's PR adds (a file about one module only where the series changes it).
+    series = topic_series(read_series(base), topic)
+    tests = [p.rsplit("/", 1)[-1] for p in export_test_files(topic, series)]
+    assert tests and set(tests) <= set(TOPIC_TESTS[topic])
     assert ("- [x] I have added relevant unit tests" in text) == bool(tests)
     assert all(t in text for t in tests) and "## Not covered" in text
     assert "moe-release" not in text and "scripts/" not in text
+
+
+def test_core_r0_16_cpu_import_pr_is_the_router_change(tmp_path):
+    """core_r0.16.0 has no paged stash: its CPU-import PR is the router's Transformer Engine
+    fallback, with that change's own test and message, and says so."""
+    paths = export_upstream("core_r0.16.0", tmp_path / "out", IDENT, "cpu-import")
+    text = (tmp_path / "out" / "PR.md").read_text()
+    assert "te_general_gemm" in text and "paged stash" not in text
+    assert "test_router_gating_without_te.py" in text and "test_paged_stash_import" not in text
+    tests_patch = paths[-1].read_text()
+    assert "test(moe): test that the MoE router gates without Transformer Engine" in tests_patch
+    assert "moe-release" not in tests_patch
 
 
 @pytest.mark.parametrize("topic", ["memory", *PR_TOPICS, "cpu-import"])
@@ -176,7 +192,8 @@ def test_memory_export_adds_the_upstream_layout_tests(tmp_path, base):
     applied.mkdir()
     subprocess.run(["git", "apply", str(paths[-1])], cwd=applied, check=True)
     got = {p.relative_to(applied).as_posix(): p.read_bytes() for p in applied.rglob("*.py")}
-    memory = {p: d for p, d in files.items() if not p.endswith("test_paged_stash_import.py")}
+    cpu_tests = TOPIC_TESTS["cpu-import"]
+    memory = {p: d for p, d in files.items() if not p.endswith(cpu_tests)}
     assert got == memory
     cpu = export_upstream("main", tmp_path / "cpu", IDENT, "cpu-import")
     assert (
@@ -294,8 +311,14 @@ def test_no_series_adds_a_config_field():
 def test_no_test_for_a_fix_the_branch_does_not_get(tmp_path, target):
     """A PR adds only tests of what it changes: the paged-stash import test does not go to
     release branches without the paged stash (0.17.1's series has no CPU-import patch, 0.16.1's
-    fixes another import), and a topic without patches gets no tests-only PR."""
+    fixes another import and adds that fix's test), and a topic without patches gets no
+    tests-only PR."""
     paths = export_upstream(target, tmp_path / "out", IDENT, "cpu-import")
     text = "".join(p.read_text() for p in paths)
     assert "test_paged_stash_import.py" not in text
-    assert all("test(moe)" not in p.read_text().split("\n---\n", 1)[0] for p in paths)
+    tests_patches = [p for p in paths if "test(moe)" in p.read_text().split("\n---\n", 1)[0]]
+    if target == "core_r0.16.0":
+        assert len(tests_patches) == 1
+        assert "test_router_gating_without_te.py" in tests_patches[0].read_text()
+    else:
+        assert tests_patches == [] and "test_router_gating_without_te.py" not in text
