@@ -864,8 +864,10 @@ class Buffer:
     order); ``send_head[t, d]`` token ``t``'s row in rank ``d``'s ``recv_x`` (-1: not sent).
 
     The real NVLink/RDMA buffers live outside PyTorch's allocator; the emulation allocates
-    ``num_nvl_bytes + num_rdma_bytes`` (sized by the :class:`Config` hints, as megatron-core's
-    ``get_buffer`` asks) as one tensor (``memory``), so allocator counts see them.
+    what the real one does for the ``num_nvl_bytes`` and ``num_rdma_bytes`` megatron-core's
+    ``get_buffer`` asks (sized by the :class:`Config` hints): the NVLink buffer with its
+    barrier signals and pointers, the 32 MiB workspace and the RDMA buffer (the memory
+    planner's DeepEP terms), as one tensor (``memory``), so allocator counts see them.
     """
 
     num_sms: int = 20
