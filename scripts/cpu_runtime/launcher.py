@@ -189,16 +189,20 @@ class _ForkedRank:
     """A rank forked by the zygote: the Popen calls the launcher uses, read from the exit file
     the zygote writes (the rank is the zygote's child, not ours)."""
 
-    def __init__(self, pid: int, exit_file: Path):
+    def __init__(self, pid: int, exit_file: Path, zygote: Optional[subprocess.Popen] = None):
         self.pid = pid
         self.exit_file = exit_file
+        self.zygote = zygote
         self.returncode: Optional[int] = None
 
     def poll(self) -> Optional[int]:
         if self.returncode is None and self.exit_file.exists():
             self.returncode = int(self.exit_file.read_text())
         if self.returncode is None and not _pid_alive(self.pid):
-            self.returncode = -signal.SIGKILL  # its zygote is gone: nobody reaped it
+            # Reaped: a live zygote writes the exit file next (until then the job directory
+            # is not ours to remove); a zygote that is gone never will.
+            if self.zygote is None or self.zygote.poll() is not None:
+                self.returncode = -signal.SIGKILL
         return self.returncode
 
     def wait(self, timeout: float = 30.0) -> Optional[int]:
@@ -250,7 +254,7 @@ class _Zygote:
         except (BrokenPipeError, ValueError):
             self.ready = False
             return None
-        return _ForkedRank(pid, job / f"rank{rank}.exit")
+        return _ForkedRank(pid, job / f"rank{rank}.exit", self.proc)
 
     def close(self) -> None:
         if self.proc.poll() is None:
