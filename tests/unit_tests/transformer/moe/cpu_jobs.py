@@ -471,7 +471,9 @@ BREAKAGES = ("swap_rows", "drop_padding", "no_overflow_flag", "deepep_drop_last_
 def staged_kernel_checks(emu, verdicts: Verdicts) -> None:
     """The kernel checks again through the host-staged collectives a GPU run takes (gloo on
     CUDA tensors), forced here on host tensors: same results, and staging really used."""
-    original = emu._staged_through_host
+    from cpu_runtime import emulation_common
+
+    original = emulation_common.staged_through_host
     used = []
 
     def always(t, group):
@@ -479,12 +481,12 @@ def staged_kernel_checks(emu, verdicts: Verdicts) -> None:
         return True
 
     staged: Verdicts = {}
-    emu._staged_through_host = always
+    emulation_common.staged_through_host = always
     try:
         hybrid_ep_kernel_checks(emu, staged)
         deep_ep_kernel_checks(emu, staged)
     finally:
-        emu._staged_through_host = original
+        emulation_common.staged_through_host = original
     verdicts.update({f"staged-{name}": v for name, v in staged.items()})
     _check(verdicts, "staged-kernel-collectives-used", len(used) > 0, True)
 
@@ -502,7 +504,7 @@ def emulation_and_layer_job(tree_kind: str = "patched") -> Verdicts:
     base_shim_checks(tree_kind, info["shims"], verdicts)
     # Every tensor the emulation creates must follow its inputs' device, or the same code
     # breaks on CUDA tensors; on the host only an explicit device= shows that.
-    placement = FactoryPlacement([emu.__file__])
+    placement = FactoryPlacement([m.__file__ for m in emu.KERNEL_MODULES])
     with placement:
         hybrid_ep_kernel_checks(emu, verdicts)
         if world > 1:

@@ -2,8 +2,9 @@
 
 """Every deep_ep kernel output the emulation returns, as the real kernels return it.
 
-The tables of :mod:`cpu_runtime.deep_ep_emulation`'s docstring (output | mode | device | dtype |
-shape | source at DeepEP 94a9f8f, and the host syncs each call makes) are parsed here, and each
+The tables of :mod:`cpu_runtime.hybridep_emulation`'s and :mod:`cpu_runtime.deepep_emulation`'s
+docstrings (output | mode | device | dtype | shape | source at DeepEP 94a9f8f, and the host
+syncs each call makes) are parsed here, and each
 row becomes one test: one job on two gloo ranks under the CPU runtime's placement rules runs
 every call in every mode megatron-core uses (HybridEP blocking, non-blocking with a budget,
 drop-and-pad's capacity budget, each also with ``fuse_permute_dispatch``; the handle replay;
@@ -17,9 +18,11 @@ from typing import Dict, List
 
 import pytest
 
+from cpu_runtime import deepep_emulation, hybridep_emulation
 from cpu_runtime.compat import load_deep_ep_emulation
 
 EMU = load_deep_ep_emulation()
+FAMILIES = (hybridep_emulation, deepep_emulation)
 JOB = f"{__name__}:rank_kernel_outputs"
 WORLD = 2
 
@@ -87,7 +90,9 @@ def parse_tables(doc: str):
     return outputs, syncs
 
 
-OUTPUT_ROWS, SYNC_ROWS = parse_tables(EMU.__doc__)
+OUTPUT_ROWS, SYNC_ROWS = (
+    sum(rows, []) for rows in zip(*(parse_tables(m.__doc__) for m in FAMILIES))
+)
 
 
 def _row_id(row: Dict[str, str]) -> str:
@@ -335,8 +340,9 @@ def test_tables_cover_every_call():
     assert {r["call"] for r in SYNC_ROWS} == calls
     for row in OUTPUT_ROWS + SYNC_ROWS:
         assert re.fullmatch(r"[a-z_]+\.(cu|cuh|cpp|py):\d+(-\d+)?", row["source"]), row
-    doc = EMU.__doc__
-    assert EMU.DEEP_EP_SOURCE_COMMIT.startswith("94a9f8f") and "de0dd11" in doc
+    for module in FAMILIES:
+        assert module.DEEP_EP_SOURCE_COMMIT.startswith("94a9f8f"), module.__name__
+    assert "de0dd11" in hybridep_emulation.__doc__
 
 
 @pytest.mark.parametrize("row", OUTPUT_ROWS, ids=_row_id)
