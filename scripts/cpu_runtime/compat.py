@@ -377,19 +377,27 @@ def install_dtoh_stream_cpu_shim() -> bool:
 
 def held_comm_buffers(fused_a2a) -> list:
     """fused_a2a's HybridEP and DeepEP buffers on any tree: one per process group where the
-    series keys them (``_hybrid_ep_buffers``), the single module global on the base."""
+    series keys them (``_hybrid_ep_buffers``), the single module global on the base; DeepEP
+    v2's ``_elastic_buffer`` where the tree has it (dev)."""
     hybrid = list(getattr(fused_a2a, "_hybrid_ep_buffers", {}).values())
     hybrid.append(getattr(fused_a2a, "_hybrid_ep_buffer", None))
-    return [b for b in (*hybrid, fused_a2a._buffer) if b is not None]
+    held = (*hybrid, fused_a2a._buffer, getattr(fused_a2a, "_elastic_buffer", None))
+    return [b for b in held if b is not None]
 
 
 def teardown_megatron_state() -> None:
     """Drop parallel state and the module-global DeepEP/HybridEP buffers, if imported (the
-    references only: a job's end is no collective point)."""
+    references only: a job's end is no collective point, so the emulated DeepEP v2 buffers free
+    their memory as a process exit does, without their collective destructor)."""
+    v2 = sys.modules.get("cpu_runtime.deepep_v2_emulation")
+    if v2 is not None:
+        v2.release_for_exit()
     fused_a2a = sys.modules.get("megatron.core.transformer.moe.fused_a2a")
     if fused_a2a is not None:
         fused_a2a.reset_hybrid_ep_buffer()
         fused_a2a._buffer = None
+        if hasattr(fused_a2a, "_elastic_buffer"):
+            fused_a2a._elastic_buffer = None
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     if parallel_state is not None:
         parallel_state.destroy_model_parallel()

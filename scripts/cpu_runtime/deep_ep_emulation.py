@@ -11,6 +11,7 @@ was read from:
 
 * :mod:`cpu_runtime.hybridep_emulation` - ``HybridEPBuffer`` (the ``hybridep`` backend);
 * :mod:`cpu_runtime.deepep_emulation` - the normal-mode ``Buffer`` (``deepep``);
+* :mod:`cpu_runtime.deepep_v2_emulation` - DeepEP v2's ``ElasticBuffer`` (``deepepv2``, dev);
 
 and what they share is :mod:`cpu_runtime.emulation_common`. TransformerEngine's NCCL EP API
 (the ``ncclep`` backend) is registered by :mod:`cpu_runtime.te_ep_emulation`.
@@ -18,7 +19,8 @@ and what they share is :mod:`cpu_runtime.emulation_common`. TransformerEngine's 
 Only torch, the standard library and :mod:`cpu_runtime.placement` are imported, so the package
 can be registered before megatron-core is first imported. It never activates by itself: call
 :func:`install` explicitly (tests, the memory report). A real DeepEP build provides only some
-of these classes (``hybrid-ep`` builds: ``Buffer`` and ``HybridEPBuffer``); the emulation
+of these classes (``hybrid-ep`` builds: ``Buffer`` and ``HybridEPBuffer``; DeepEP v2 builds:
+``ElasticBuffer`` and a legacy ``Buffer``); the emulation
 provides them all, and the flex dispatcher's ``moe_flex_dispatcher_backend`` picks one.
 """
 
@@ -26,8 +28,9 @@ import importlib.util
 import sys
 import types
 
-from cpu_runtime import deepep_emulation, emulation_common, hybridep_emulation
+from cpu_runtime import deepep_emulation, deepep_v2_emulation, emulation_common, hybridep_emulation
 from cpu_runtime.deepep_emulation import LEAKED_BUFFERS, Buffer, Config  # noqa: F401
+from cpu_runtime.deepep_v2_emulation import ElasticBuffer, EPHandle  # noqa: F401
 from cpu_runtime.emulation_common import EventHandle, EventOverlap
 from cpu_runtime.hybridep_emulation import (  # noqa: F401
     DEEP_EP_SOURCE_COMMIT,
@@ -36,13 +39,22 @@ from cpu_runtime.hybridep_emulation import (  # noqa: F401
     hybrid_ep_buffer_bytes,
 )
 
-__all__ = ["Buffer", "EventHandle", "EventOverlap", "HybridEPBuffer", "install", "uninstall"]
+__all__ = [
+    "Buffer",
+    "ElasticBuffer",
+    "EPHandle",
+    "EventHandle",
+    "EventOverlap",
+    "HybridEPBuffer",
+    "install",
+    "uninstall",
+]
 
 # Marker so callers (and tests) can tell the emulation from a real deep_ep.
 IS_CPU_EMULATION = True
 
 # The modules that implement the kernels (each with its output table), and what they share.
-KERNEL_MODULES = (hybridep_emulation, deepep_emulation, emulation_common)
+KERNEL_MODULES = (hybridep_emulation, deepep_emulation, deepep_v2_emulation, emulation_common)
 
 
 def _real_deep_ep_importable() -> bool:
