@@ -32,6 +32,7 @@ import importlib
 import inspect
 import sys
 import types
+from typing import Optional
 
 import torch
 
@@ -52,6 +53,19 @@ def load_deep_ep_emulation() -> types.ModuleType:
     Registering it as ``deep_ep`` is left to its ``install()``.
     """
     return importlib.import_module(EMULATION_MODULE)
+
+
+def install_kernel_emulations(tree: Optional[str], force: bool = False) -> None:
+    """Register every flex backend's kernels before megatron-core is imported: DeepEP's
+    ``deep_ep`` package (HybridEP, DeepEP, DeepEP v2) and, where ``tree``'s fused_a2a calls
+    TransformerEngine's NCCL EP, the ``transformer_engine.pytorch.ep`` of the TE commit whose
+    signatures it calls (:func:`cpu_runtime.te_ep_emulation.api_for_tree`)."""
+    load_deep_ep_emulation().install(force=force)
+    from cpu_runtime import te_ep_emulation
+
+    api = te_ep_emulation.api_for_tree(tree) if tree else None
+    if api is not None:
+        te_ep_emulation.install(api)
 
 
 class _Proxy(types.ModuleType):
@@ -387,11 +401,12 @@ def held_comm_buffers(fused_a2a) -> list:
 
 def teardown_megatron_state() -> None:
     """Drop parallel state and the module-global DeepEP/HybridEP buffers, if imported (the
-    references only: a job's end is no collective point, so the emulated DeepEP v2 buffers free
-    their memory as a process exit does, without their collective destructor)."""
-    v2 = sys.modules.get("cpu_runtime.deepep_v2_emulation")
-    if v2 is not None:
-        v2.release_for_exit()
+    references only: a job's end is no collective point, so the emulated DeepEP v2 buffers and
+    NCCL EP context go as a process exit takes them, without a collective)."""
+    for name in ("cpu_runtime.deepep_v2_emulation", "cpu_runtime.te_ep_emulation"):
+        emulation = sys.modules.get(name)
+        if emulation is not None:
+            emulation.release_for_exit()
     fused_a2a = sys.modules.get("megatron.core.transformer.moe.fused_a2a")
     if fused_a2a is not None:
         fused_a2a.reset_hybrid_ep_buffer()

@@ -373,10 +373,9 @@ def _rank_main(job: Path) -> int:
         if spec["device"] == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         if spec["emulate_deep_ep"]:
-            from cpu_runtime.compat import load_deep_ep_emulation
+            from cpu_runtime.compat import install_kernel_emulations
 
-            emulation = load_deep_ep_emulation()
-            emulation.install(force=spec["force_emulation"])
+            install_kernel_emulations(os.environ.get("MOE_RELEASE_TREE"), spec["force_emulation"])
         if spec["device"] == "cpu" and spec.get("placement", True):
             # CUDA's placement rules on the host (cpu_runtime.placement): a rank refuses
             # what a GPU would refuse.

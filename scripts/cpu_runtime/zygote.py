@@ -44,9 +44,9 @@ def _prepare(spec: dict) -> None:
 
     torch.set_num_threads(1)
     if spec["emulate_deep_ep"]:
-        from cpu_runtime.compat import load_deep_ep_emulation
+        from cpu_runtime.compat import install_kernel_emulations
 
-        load_deep_ep_emulation().install(force=spec["force_emulation"])
+        install_kernel_emulations(os.environ.get("MOE_RELEASE_TREE"), spec["force_emulation"])
     if spec["placement"]:
         from cpu_runtime import placement
 

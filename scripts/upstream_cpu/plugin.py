@@ -306,8 +306,8 @@ def _stub_downloader() -> None:
 def _install_deep_ep_emulation() -> None:
     if os.environ.get("UPSTREAM_CPU_DEEP_EP", "") != "emulation":
         return
-    emulation = compat.load_deep_ep_emulation()
-    emulation.install()
+    # The checkout under test is the working directory (run.py starts pytest there).
+    compat.install_kernel_emulations(os.environ.get("MOE_RELEASE_TREE") or os.getcwd())
 
 
 def _te_local_specs() -> None:

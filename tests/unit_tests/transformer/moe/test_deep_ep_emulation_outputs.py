@@ -68,7 +68,7 @@ def parse_tables(doc: str):
     call, header = None, None
     for line in doc.splitlines():
         stripped = line.strip()
-        heading = re.match(r"^\[([a-z0-9 ]+)\] ", stripped)
+        heading = re.match(r"^\[([a-z0-9_ ]+)\] ", stripped)
         if heading:
             call, header = heading.group(1), None
             continue
