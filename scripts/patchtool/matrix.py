@@ -12,8 +12,9 @@ is not the base's current one is shown as stale: the series changed since it ran
 The release tests are the node-id prefixes of ``BACKPORT_CASES`` in
 ``tests/unit_tests/conftest.py`` (read as text, never imported); each is put in a column by
 its node id: the A2A-overlap tests by their directory, the others by the dispatcher named in
-their parameters (flex on HybridEP or DeepEP, all-to-all, all-gather), the rest (CPU guards,
-communication-buffer teardown) under "other".
+their parameters (flex on HybridEP, DeepEP, DeepEP v2 or NCCL EP, all-to-all, all-gather), the
+rest (CPU guards, communication-buffer teardown) under "other". A flex backend the base does
+not have (NCCL EP before 0.19, DeepEP v2 outside dev) is n/a in its column, not a failure.
 """
 
 from __future__ import annotations
@@ -30,11 +31,23 @@ from .common import REPO_ROOT, UserError
 from .patches import overlay_label
 from .pins import Base, load_pins
 from .repo import overlay_files, read_series
+from .trees import flex_backends
 
 RUNS_DIR = Path(".build") / "test-runs"
 CONFTEST = Path("tests") / "unit_tests" / "conftest.py"
 BEGIN, END = "<!-- moe-release matrix -->", "<!-- /moe-release matrix -->"
-COLUMNS = ("flex-hybridep", "flex-deepep", "alltoall", "allgather", "A2A-overlap", "other")
+COLUMNS = (
+    "flex-hybridep",
+    "flex-deepep",
+    "flex-deepepv2",
+    "flex-ncclep",
+    "alltoall",
+    "allgather",
+    "A2A-overlap",
+    "other",
+)
+# The flex backends a column stands for (a base without the backend has no tests there: n/a).
+BACKEND_COLUMNS = {"flex-deepepv2": "deepepv2", "flex-ncclep": "ncclep"}
 
 
 def release_cases(root: Path = REPO_ROOT) -> tuple[str, ...]:
@@ -58,7 +71,8 @@ def column(nodeid: str) -> str:
         return "A2A-overlap"
     params = nodeid.partition("[")[2].lower()
     name = nodeid.lower()
-    for key, col in (("deepep", "flex-deepep"), ("hybridep", "flex-hybridep"),
+    for key, col in (("deepepv2", "flex-deepepv2"), ("deepep", "flex-deepep"),
+                     ("ncclep", "flex-ncclep"), ("hybridep", "flex-hybridep"),
                      ("alltoall", "alltoall"), ("allgather", "allgather")):  # fmt: skip
         if key in params:
             return col
@@ -100,6 +114,12 @@ def series_label(base: Base, root: Path = REPO_ROOT) -> str:
     return f"{base.version}+{overlay_label(base, read_series(base, root), overlay_files(root))}"
 
 
+def patched_tree_dir(base: Base, root: Path = REPO_ROOT) -> Path:
+    """Where ``scripts/run-tests`` materialized the base's patched tree (trees.Tree.dirname)."""
+    label = overlay_label(base, read_series(base, root), overlay_files(root))
+    return root / ".build" / "trees" / f"{base.name}+{label}"
+
+
 def record_run(name: str, junit: Path, seconds: int, status: int, root: Path = REPO_ROOT) -> Path:
     """Write ``.build/test-runs/<name>.json``: the base's release-test outcomes from one run."""
     base = load_pins(root / "patches" / "pins.toml").get(name)
@@ -116,6 +136,8 @@ def record_run(name: str, junit: Path, seconds: int, status: int, root: Path = R
             k: sum(1 for o in outcomes.values() if o == k) for k in ("passed", "failed", "skipped")
         },  # fmt: skip
         "release_tests": release,
+        # The flex backends the tree offers: a backend's column is n/a on a base without it.
+        "backends": sorted(flex_backends(patched_tree_dir(base, root))),
     }
     out = root / RUNS_DIR / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -157,7 +179,13 @@ def table(root: Path = REPO_ROOT) -> str:
             by_col: dict[str, list[str]] = {c: [] for c in COLUMNS}
             for nodeid, outcome in record["release_tests"].items():
                 by_col[column(nodeid)].append(outcome)
-            cells = [_cell(by_col[c]) for c in COLUMNS]
+            backends = set(record.get("backends", ()))
+            cells = [
+                f"n/a (no {BACKEND_COLUMNS[c]})"
+                if not by_col[c] and c in BACKEND_COLUMNS and BACKEND_COLUMNS[c] not in backends
+                else _cell(by_col[c])
+                for c in COLUMNS
+            ]
             stale = record["label"] != series_label(base, root)
             last = f"{record['date']}, {record['seconds']} s" + (
                 " (stale: the series changed since)" if stale else ""
@@ -170,7 +198,8 @@ def table(root: Path = REPO_ROOT) -> str:
     legend = (
         "Cells: release tests (`-m backport`, one case per fix) that passed / ran at the last "
         "recorded `scripts/run-tests` run of that base; ✗ names failures and skips; — none in "
-        "that column; \"not run\": no run recorded here. `moe_release.py matrix --update "
+        "that column; n/a: the base has no such flex backend; \"not run\": no run recorded "
+        "here. `moe_release.py matrix --update "
         "README.md` regenerates this table."
     )
     return "\n".join(rows) + "\n\n" + legend + "\n"

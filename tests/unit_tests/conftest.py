@@ -40,6 +40,16 @@ BACKPORT_CASES = (
     "backward[allgather-ep2-",
     "transformer/moe/test_dispatcher_state_release.py::test_bitwise_equal_to_base[flex-hybridep-"
     "ep2-",
+    # The flex backends only some bases have (NCCL EP from 0.19, DeepEP v2 on dev): required
+    # where the tree has the backend (_backend_of).
+    "transformer/moe/test_dispatcher_state_release.py::test_nothing_of_the_forward_outlives_"
+    "backward[flex-ncclep-ep2-",
+    "transformer/moe/test_dispatcher_state_release.py::test_bitwise_equal_to_base[flex-ncclep-"
+    "ep2-",
+    "transformer/moe/test_dispatcher_state_release.py::test_nothing_of_the_forward_outlives_"
+    "backward[flex-deepepv2-ep2-",
+    "transformer/moe/test_dispatcher_state_release.py::test_bitwise_equal_to_base[flex-deepepv2-"
+    "ep2-",
     "transformer/moe/test_dispatcher_state_release.py::test_series_adds_no_host_sync[flex-"
     "hybridep-ep2-",
     "transformer/moe/test_dispatcher_state_release.py::test_cudagraph_attrs_survive_release["
@@ -68,6 +78,14 @@ def pytest_configure(config):
     )
 
 
+def _backend_of(prefix: str):
+    """The flex backend a release-test prefix names, if it names one."""
+    for backend in ("deepepv2", "ncclep"):
+        if f"[flex-{backend}-" in prefix:
+            return backend
+    return None
+
+
 def _backport_prefix(item) -> str:
     nodeid = item.nodeid
     cut = nodeid.find("unit_tests/")
@@ -87,10 +105,14 @@ def pytest_collection_modifyitems(config, items):
         # A listed file that is gone, or a collected file none of whose tests match its entry.
         here = os.path.dirname(os.path.abspath(__file__))
         files = {_backport_prefix(item).split("::", 1)[0] for item in items}
+        from patchtool.trees import flex_backends
+
+        backends = flex_backends(PATCHED_TREE) if PATCHED_TREE else frozenset()
         missing = [
             p
             for p in BACKPORT_CASES
             if p not in matched
+            and (_backend_of(p) is None or _backend_of(p) in backends)
             and (
                 p.split("::", 1)[0] in files
                 or not os.path.exists(os.path.join(here, p.split("::")[0]))

@@ -20,6 +20,7 @@ import pytest
 
 from cpu_runtime.launcher import DistributedTestError, run_distributed
 from cpu_runtime.placement import added_syncs
+from patchtool.trees import flex_backends
 
 PATCHED_TREE = os.environ.get("MOE_RELEASE_TREE")
 BASE_TREE = os.environ.get("MOE_RELEASE_BASE_TREE")
@@ -49,6 +50,10 @@ CONFIGS = [
     ("allgather", None, 2),
     ("allgather", None, 4),
 ]
+# The flex backends only some trees have (NCCL EP from 0.19, DeepEP v2 on dev) run where the
+# tree under test has them (an n/a column in the compatibility matrix elsewhere).
+TREE_BACKENDS = flex_backends(PATCHED_TREE) if PATCHED_TREE else frozenset()
+CONFIGS += [c for c in (("flex", "ncclep", 2), ("flex", "deepepv2", 2)) if c[1] in TREE_BACKENDS]
 # Behind the `slow` marker (run with `scripts/run-tests -m slow`): each has an EP2 case by default
 # (EP1 of the all-to-all dispatcher runs drop-and-pad, HybridEP keeps its EP4 case).
 SLOW_CONFIGS = {
@@ -95,6 +100,27 @@ def _setup(ep, tp=1):
     torch.manual_seed(1234)
 
 
+def _backend_model(backend) -> dict:
+    """What a backend's kernels take: NCCL EP and DeepEP v2 move bf16 payloads only, DeepEP
+    v2's combine needs a hidden size that is a multiple of 256 (its JIT kernel's static assert),
+    and NCCL EP needs a receive capacity where the tree's manager has no eager mode (0.19.2,
+    dev: the config still has moe_ncclep_static_shape)."""
+    import dataclasses
+
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if backend == "deepepv2":
+        return dict(hidden_size=256, bf16=True, params_dtype=torch.bfloat16)
+    if backend == "ncclep":
+        out = dict(hidden_size=HIDDEN, bf16=True, params_dtype=torch.bfloat16)
+        fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+        if "moe_ncclep_static_shape" in fields:
+            out["moe_expert_rank_capacity_factor"] = 2.0
+        return out
+    return dict(hidden_size=HIDDEN)
+
+
 def _build_layers(dispatcher, backend, ep, num_layers=NUM_LAYERS, recompute="none", tp=1, **extra):
     import torch
     from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -104,7 +130,6 @@ def _build_layers(dispatcher, backend, ep, num_layers=NUM_LAYERS, recompute="non
 
     kwargs = dict(
         num_layers=num_layers,
-        hidden_size=HIDDEN,
         num_attention_heads=4,
         num_moe_experts=4,
         moe_router_topk=2,
@@ -123,6 +148,7 @@ def _build_layers(dispatcher, backend, ep, num_layers=NUM_LAYERS, recompute="non
         kwargs["moe_flex_dispatcher_backend"] = backend
     elif dispatcher == "alltoall" and backend == "pad":
         kwargs.update(moe_expert_capacity_factor=2.0, moe_pad_expert_input_to_capacity=True)
+    kwargs.update(_backend_model(backend if dispatcher == "flex" else None))
     kwargs.update(extra)
     config = TransformerConfig(**kwargs)
     submodules = _local_moe_submodules()
@@ -164,12 +190,15 @@ def _run_stack(layers, x, recompute):
     return h
 
 
-def _input(seed=7, tokens=8):
+def _input(seed=7, tokens=8, like=None):
+    """A rank's [tokens, 2, H] input; ``like`` (a layer) gives H and the dtype."""
     import torch
     import torch.distributed as dist
 
+    hidden = like.config.hidden_size if like is not None else HIDDEN
+    dtype = like.config.params_dtype if like is not None else torch.float32
     g = torch.Generator().manual_seed(seed + dist.get_rank())
-    return torch.randn(tokens, 2, HIDDEN, generator=g)
+    return torch.randn(tokens, 2, hidden, generator=g).to(dtype)
 
 
 class _Tracker:
@@ -194,17 +223,13 @@ class _Tracker:
         self.refs["probs"].append(weakref.ref(output[0]))
 
     def _wrap_dispatch(self, manager):
-        import torch
 
         original = manager.dispatch
 
         def dispatch(*args, **kwargs):
             out = original(*args, **kwargs)
-            handle = manager.handle
-            items = handle if isinstance(handle, tuple) else (handle,)
-            for item in items:
-                if torch.is_tensor(item):
-                    self.refs["handle"].append(weakref.ref(item))
+            for item in _handle_tensors(manager):
+                self.refs["handle"].append(weakref.ref(item))
             probs = getattr(manager, "dispatched_probs", None)
             if probs is not None:
                 self.refs["dispatched_probs"].append(weakref.ref(probs))
@@ -225,6 +250,21 @@ class _Tracker:
         counts["input_grad"] = sum(r() is not None for r in self.grad_refs)
         counts["recorded"] = {k: len(v) for k, v in self.refs.items()}
         return counts
+
+
+def _handle_tensors(manager):
+    """The tensors of a manager's dispatch handle: HybridEP's and DeepEP's tuple, DeepEP v2's
+    EPHandle fields, NCCL EP's EpBuffer handle_mem."""
+    import torch
+
+    handle = getattr(manager, "handle", None)
+    if handle is None and getattr(manager, "_buffer", None) is not None:
+        return [manager._buffer.handle_mem]
+    if isinstance(handle, tuple):
+        return [t for t in handle if torch.is_tensor(t)]
+    if handle is not None and not torch.is_tensor(handle):
+        return [t for t in vars(handle).values() if torch.is_tensor(t)]
+    return [handle] if torch.is_tensor(handle) else []
 
 
 def _tensors(obj, depth=0, seen=None):
@@ -341,7 +381,7 @@ def rank_train(
         placement.SYNCS.clear()
         for layer in layers:
             layer.zero_grad(set_to_none=True)
-        x = _input(seed=step).requires_grad_()
+        x = _input(seed=step, like=layers[0]).requires_grad_()
         out = _run_stack(runners, x, recompute)
         loss = (out.float() ** 2).sum()
         loss.backward()
@@ -430,7 +470,7 @@ def rank_edge_cases(dispatcher, backend, ep):
     disp.reset_transient_forward_state()
 
     def fwd(seed):
-        x = _input(seed=seed).requires_grad_()
+        x = _input(seed=seed, like=layer).requires_grad_()
         out, _ = layer(x)
         return x, (out.float() ** 2).sum()
 
@@ -484,7 +524,8 @@ def rank_edge_cases(dispatcher, backend, ep):
 def _copyable_state(obj):
     import torch.distributed as dist
 
-    skip = ("config", "shared_experts", "cuda_dtoh_stream", "_comm_manager")
+    # DeepEP v2's manager keeps the (persistent) communication buffer, a process-group holder.
+    skip = ("config", "shared_experts", "cuda_dtoh_stream", "_comm_manager", "buffer")
     return {
         k: v for k, v in vars(obj).items() if k not in skip and not isinstance(v, dist.ProcessGroup)
     }
