@@ -89,9 +89,10 @@ def batches(cfg: Dict[str, Any]) -> List[Dict[str, torch.Tensor]]:
     out = []
     for mb in range(cfg["microbatches"]):
         g = torch.Generator().manual_seed(cfg["seed"] * 1000003 + rank * 7919 + mb)
-        data = torch.randint(0, cfg["vocab"], (cfg["mbs"], cfg["seq"] + 1), generator=g)
-        pos = torch.arange(cfg["seq"]).unsqueeze(0).expand(cfg["mbs"], cfg["seq"]).contiguous()
-        mask = torch.triu(torch.ones(cfg["seq"], cfg["seq"], dtype=torch.bool), diagonal=1)
+        seq = seq_lengths(cfg)[mb]
+        data = torch.randint(0, cfg["vocab"], (cfg["mbs"], seq + 1), generator=g)
+        pos = torch.arange(seq).unsqueeze(0).expand(cfg["mbs"], seq).contiguous()
+        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)
         out.append(
             dict(
                 input_ids=data[:, :-1].contiguous(),
@@ -101,6 +102,12 @@ def batches(cfg: Dict[str, Any]) -> List[Dict[str, torch.Tensor]]:
             )
         )
     return out
+
+
+def seq_lengths(cfg: Dict[str, Any]) -> List[int]:
+    """Each microbatch's sequence length: cfg['seqs'] (variable-length or packed microbatches:
+    a dispatch then has more tokens per rank than the last), else cfg['seq'] for all."""
+    return list(cfg.get("seqs") or [cfg["seq"]] * cfg["microbatches"])
 
 
 def pipeline_sizes(cfg: Dict[str, Any]):
@@ -174,7 +181,7 @@ def build_gpt_chunks(cfg: Dict[str, Any]) -> List[Any]:
             config=config,
             transformer_layer_spec=spec,
             vocab_size=cfg["vocab"],
-            max_sequence_length=cfg["seq"],
+            max_sequence_length=max(seq_lengths(cfg)),
             position_embedding_type="learned_absolute",
             pre_process=parallel_state.is_pipeline_first_stage(False, vp_stage=stage_arg),
             post_process=parallel_state.is_pipeline_last_stage(False, vp_stage=stage_arg),

@@ -130,7 +130,7 @@ def gpt_model(config, cfg: Dict, spec, mtp_spec=None):
             config=config,
             transformer_layer_spec=spec,
             vocab_size=cfg["vocab"],
-            max_sequence_length=cfg["seq"],
+            max_sequence_length=max(cfg.get("seqs") or [cfg["seq"]]),
             position_embedding_type="learned_absolute",
             mtp_block_spec=mtp_spec,
         )
