@@ -25,9 +25,14 @@ Files = Mapping[str, Optional[bytes]]
 # ends with a different one. Every entry is a reason a reviewer can check on that branch.
 _DEV_V2 = "dev also has DeepEP v2's module-global _elastic_buffer, which these hold and release"
 _BUFFERS = "megatron/core/transformer/moe/fused_a2a.py::"
+_DEV_V2_PENDING = (
+    "dev's DeepEP v2 buffers are destroyed once nothing references them (a pending backward's "
+    "autograd ctx keeps one), and the release destroys every one still alive after its barrier"
+)
 NOT_CARRIED: dict[tuple[str, str], str] = {
     ("patches/upstream/dev", _BUFFERS + "_held_comm_buffers"): _DEV_V2,
     ("patches/upstream/dev", _BUFFERS + "reset_deep_ep_buffer"): _DEV_V2,
+    ("patches/upstream/dev", _BUFFERS + "reset_fused_a2a_buffers"): _DEV_V2_PENDING,
 }
 
 
