@@ -109,10 +109,14 @@ combine-input or gradient buffer that is not symmetric memory on the EP group (R
 "must be symm-mem-backed"). One NCCL EP context per process, bound to the bootstrapped group:
 the ops carry no group, as in TE.
 
-**Memory**: ``handle_mem`` is NCCL EP's ``HtBlockLayout`` for the group (:func:`handle_mem_size`,
-``nccl_ep.cc:2397-2471``); ``symm_mem_alloc`` allocates through the counted allocator and, with
-``use_pool=False``, rendezvouses on the group (a barrier), as torch's symmetric memory does;
-the tensors it returns are what :func:`is_symm_backed` answers True for (a view included).
+**Memory**: the bootstrap allocates the NCCL EP group's memory (:func:`context_bytes`: the
+32 MiB workspace, the symmetric token/probability/scale buffers, the routing map, pinned host
+pointers), which ``ep_finalize`` frees but for the device communicator ncclEpCreateGroup leaks
+on one NVLink domain (:data:`LEAKED`); ``handle_mem`` is NCCL EP's ``HtBlockLayout`` for the
+group (:func:`handle_mem_size`, ``nccl_ep.cc:2397-2471``); ``symm_mem_alloc`` allocates
+through the counted allocator and, with ``use_pool=False``, rendezvouses on the group (a
+barrier), as torch's symmetric memory does; the tensors it returns are what
+:func:`is_symm_backed` answers True for (a view included).
 """
 
 from __future__ import annotations
@@ -132,6 +136,7 @@ from cpu_runtime import placement
 from cpu_runtime.emulation_common import (
     all_gather_rows,
     all_to_all,
+    buffer_device,
     count_set,
     group_rank,
     group_size,
@@ -194,6 +199,45 @@ def handle_mem_size(
     return sum(terms)
 
 
+# NCCL EP's group workspace (``NUM_WORKSPACE_BYTES``, nccl_ep include/common.hpp:19) and its
+# counter block (``kCounterBlockBytes``, nccl_ep.cc:1102-1128).
+WORKSPACE_BYTES = 32 * 1024 * 1024
+COUNTER_BLOCK_BYTES = 32
+# What ncclEpCreateGroup leaks on one NVLink domain (a device communicator ncclEpGroupDestroy
+# never destroys, nccl_ep.cc:1280-1297, 1515): one cuMem granule, 2 MiB on Hopper (a driver
+# property; the struct copy beside it, sizeof(ncclDevComm_t), is not modelled).
+LEAKED_PER_GROUP_BYTES = 2 * 1024 * 1024
+
+
+def context_bytes(
+    num_ranks: int,
+    num_experts: int,
+    max_tokens: int,
+    max_recv_tokens: int,
+    hidden: int,
+    zero_copy: bool = False,
+    token_bytes: int = 2,
+) -> Dict[str, int]:
+    """What ``ncclEpCreateGroup`` allocates for TE's configuration (HT, one NVLink domain,
+    expert-major; nccl_ep.cc:1013-1248, 1900-1963) and ``ncclEpGroupDestroy`` frees, by kind:
+    ``device`` (the 32 MiB workspace, the counter block, the all-gathered routing map
+    ``R x M x ceil(E / 8)``, and the symmetric "mega" buffer: dispatch and combine token staging
+    ``a256(M x R x B)`` each (none with zero-copy), their probabilities ``a256(MR x E x 4)`` each
+    and the scale region ``a256(MR x B)``, allocated even for bf16, plus the 8-byte completion
+    flags) and ``pinned`` (the mapped host pointer block, ``40 x R``); ``leaked``, what destroy
+    does not free. Requested sizes: NCCL's cuMem granule rounding is not modelled."""
+    r, m, mr, e = num_ranks, max_tokens, max_recv_tokens, num_experts
+    b = hidden * token_bytes
+    tokens = 0 if zero_copy else 2 * _a256(m * r * b)
+    mega = tokens + 2 * _a256(mr * e * 4) + _a256(mr * b)
+    device = WORKSPACE_BYTES + COUNTER_BLOCK_BYTES + r * m * ((e + 7) // 8) + mega + 8
+    return {"device": device, "pinned": 40 * r, "leaked": LEAKED_PER_GROUP_BYTES}
+
+
+# The group allocations of every ncclEpCreateGroup that leaked (see LEAKED_PER_GROUP_BYTES).
+LEAKED: List[torch.Tensor] = []
+
+
 # --------------------------------------------------------------------------------------------
 # Symmetric memory.
 
@@ -213,7 +257,11 @@ def _symm_group(t: torch.Tensor):
 
 
 def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device())
+    """TE's default device, ``cuda:<current>``: the emulated GPU under the placement rules, the
+    host where neither a GPU nor the rules are there."""
+    if placement.active():
+        return torch.device("cuda", torch.cuda.current_device())
+    return buffer_device()
 
 
 def _symm_alloc(shape, dtype, group, device, collective: bool) -> torch.Tensor:
@@ -307,6 +355,7 @@ class _Backend:
     drop: bool = False
     eager: bool = False
     num_topk: int = 0
+    memory: Optional[tuple] = None  # the group's device and pinned host allocations
     cached: Optional[tuple] = None  # the process-wide (top_k, alignment) of the first prepare
     # The prepared handles by handle_mem address, as TE's LRU cache keys them (ep_backend.cpp).
     handles: collections.OrderedDict[int, _Routing] = field(default_factory=collections.OrderedDict)
@@ -336,7 +385,15 @@ class _Backend:
         budgets = host_all_gather_ints([max_recv], group)
         if len({b for (b,) in budgets}) != 1:
             raise RuntimeError(f"NCCL EP: the recv budget differs across ranks: {budgets}")
+        sizes = context_bytes(size, num_experts, max_tokens, max_recv, hidden, zero_copy)
+        pin = placement.active() or torch.cuda.is_available()
+        memory = (
+            torch.empty(sizes["device"], dtype=torch.uint8, device=_device()),
+            torch.empty(sizes["pinned"], dtype=torch.uint8, pin_memory=pin),
+        )
+        LEAKED.append(torch.empty(sizes["leaked"], dtype=torch.uint8, device=_device()))
         self.__dict__.update(
+            memory=memory,
             initialized=True, group=group, num_experts=num_experts, max_tokens=max_tokens,
             max_recv=max_recv, hidden=hidden, zero_copy=zero_copy, drop=drop, eager=eager,
             num_topk=num_topk, cached=None, handles=collections.OrderedDict(),
@@ -344,7 +401,7 @@ class _Backend:
 
     def shutdown(self) -> None:
         if self.initialized:
-            self.__dict__.update(initialized=False, group=None, cached=None,
+            self.__dict__.update(initialized=False, group=None, cached=None, memory=None,
                                  handles=collections.OrderedDict())  # fmt: skip
 
     def handle_mem_size(self, top_k: int) -> int:

@@ -461,3 +461,41 @@ def test_handle_mem_size_is_nccl_eps_layout_worked_by_hand():
     # Zero-copy (local dup): s2d by K (64 x 2 x 4), the fan-out groups 16 x 2 x 4 and a counter.
     zc = want - 512 - 256 - 256 - 512 + 512 + 256 + 256
     assert TE.handle_mem_size(64, 32, 2, 4, 2, zero_copy=True) == zc
+
+
+def test_context_bytes_are_nccl_eps_group_allocations_worked_by_hand():
+    """``ncclEpCreateGroup`` for TE's configuration (nccl_ep.cc:1013-1248, 1900-1963): R=2,
+    E=4, M=64, MR=256, hidden 256 bf16 (B = 512 bytes a token)."""
+    # Workspace 33,554,432 + counters 32 + routing map 2 x 64 x ceil(4/8) = 128; the mega buffer:
+    # staging 2 x a256(64 x 2 x 512) = 131,072, probabilities 2 x a256(256 x 4 x 4) = 8,192,
+    # scales a256(256 x 512) = 131,072 (270,336); completion flags 8.
+    sizes = TE.context_bytes(2, 4, 64, 256, 256)
+    assert sizes == {"device": 33_824_936, "pinned": 80, "leaked": 2 * 1024 * 1024}
+    # Zero-copy: no staging.
+    assert TE.context_bytes(2, 4, 64, 256, 256, zero_copy=True)["device"] == 33_824_936 - 131_072
+
+
+def rank_context_memory() -> Dict[str, int]:
+    """Rank side: the counted bytes a bootstrap allocates and ep_finalize frees."""
+    import gc
+
+    import torch.distributed as dist
+
+    from cpu_runtime import cpu_memory
+
+    cpu_memory.install()
+    m = TE.build("622a3ee")
+    gc.collect()
+    before = cpu_memory.settled()
+    _bootstrap(m, "622a3ee", dist.group.WORLD, WORLD * LOCAL, RC)
+    held = cpu_memory.settled()
+    m.ep_finalize()
+    gc.collect()
+    return {"allocated": held - before, "freed": held - cpu_memory.settled()}
+
+
+def test_bootstrap_allocates_the_context_and_finalize_frees_it(dist_job, patched_tree):
+    want = TE.context_bytes(WORLD, WORLD * LOCAL, MAX_TOKENS, RC, H)
+    for res in dist_job(f"{THIS}:rank_context_memory", WORLD, patched_tree):
+        assert res["allocated"] == want["device"] + want["pinned"] + want["leaked"], res
+        assert res["freed"] == want["device"] + want["pinned"], res
