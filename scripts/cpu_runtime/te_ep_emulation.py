@@ -162,7 +162,7 @@ def _a256(n: int) -> int:
     return (n + 255) // 256 * 256
 
 
-def handle_mem_size(
+def handle_mem_terms(
     max_tokens: int,
     max_recv_tokens: int,
     num_ranks: int,
@@ -170,33 +170,40 @@ def handle_mem_size(
     num_topk: int,
     zero_copy: bool = False,
     device_sms: int = DEVICE_SMS,
-) -> int:
-    """Bytes of one ``EpBuffer.handle_mem``: NCCL EP's ``HtBlockLayout::compute`` for one NVLink
-    domain and the expert-major layout (``nccl_ep.cc:2397-2471``; the local-permute mode without
-    zero-copy, local-dup with it, ``nccl_ep.cc:1885-1906``): the routing and rank masks, the
-    local-expert routing map, the scan scratch (8 bytes per block and rank,
-    ``ht_ep_adapter.cu:641-647``), the dense probabilities, the cached top-k indices, the
-    per-expert tables and the permute scratch, each rounded up to 256."""
+) -> List[tuple]:
+    """``(name, bytes)`` of one ``EpBuffer.handle_mem``, in order: NCCL EP's
+    ``HtBlockLayout::compute`` for one NVLink domain and the expert-major layout
+    (``nccl_ep.cc:2397-2471``; the local-permute mode without zero-copy, local-dup with it,
+    ``nccl_ep.cc:1885-1906``): the routing and rank masks, the local-expert routing map, the scan
+    scratch (8 bytes per block and rank, ``ht_ep_adapter.cu:641-647``), the dense probabilities,
+    the cached top-k indices, the per-expert tables and the permute scratch, each rounded up to
+    256."""
     m, mr, r, k = max_tokens, max_recv_tokens, num_ranks, num_topk
     local = num_experts // r
     permute = not zero_copy
     terms = [
-        _a256((m + 15) // 16 * 16),  # r2a (bool, one node)
-        _a256(mr * local),  # ler (bool)
-        _a256(4),  # ntfe
-        _a256(m * (r if permute else k) * 4),  # s2d
-        _a256(m * r * ((r + 63) // 64) * 8),  # rank masks
-        _a256(device_sms * r * 8),  # scan scratch
-        _a256(m * num_experts * 4),  # dense probabilities (one node)
-        _a256(m * k * 8),  # cached top-k indices
-        _a256(local * 4),  # pec_active
-        _a256((local + 1) * 8),  # eto
+        ("r2a", _a256((m + 15) // 16 * 16)),  # bool, one node
+        ("ler", _a256(mr * local)),  # bool
+        ("ntfe", _a256(4)),
+        ("s2d", _a256(m * (r if permute else k) * 4)),
+        ("rank_mask", _a256(m * r * ((r + 63) // 64) * 8)),
+        ("scan_tmp", _a256(device_sms * r * 8)),
+        ("prob", _a256(m * num_experts * 4)),  # dense probabilities, one node
+        ("topk_idx", _a256(m * k * 8)),  # the cached top-k indices
+        ("pec_active", _a256(local * 4)),
+        ("eto", _a256((local + 1) * 8)),
     ]
     if zero_copy:  # local-dup fan-out groups
-        terms += [_a256(mr // 2 * min(k, local) * 4), _a256(4)]
+        terms += [("emuf_group_buf", _a256(mr // 2 * min(k, local) * 4)), ("emuf_count", _a256(4))]
     else:  # local-permute scratch
-        terms += [_a256(mr * k * 4), _a256(mr * k * 4), _a256(m * r * 4)]
-    return sum(terms)
+        terms += [("flat2em", _a256(mr * k * 4)), ("recv_topk_weights_flat", _a256(mr * k * 4)),
+                  ("token_to_recv_slot", _a256(m * r * 4))]  # fmt: skip
+    return terms
+
+
+def handle_mem_size(*args, **kwargs) -> int:
+    """Bytes of one ``EpBuffer.handle_mem`` (:func:`handle_mem_terms`, same arguments)."""
+    return sum(n for _, n in handle_mem_terms(*args, **kwargs))
 
 
 # NCCL EP's group workspace (``NUM_WORKSPACE_BYTES``, nccl_ep include/common.hpp:19) and its
@@ -276,43 +283,77 @@ def _symm_alloc(shape, dtype, group, device, collective: bool) -> torch.Tensor:
 
 
 class _Routing:
-    """What prepare writes into a handle: this rank's view of the all-gathered routing."""
+    """What prepare writes into a handle: this rank's view of the all-gathered routing. As on
+    a GPU, it lives in ``handle_mem`` (and so as long as the EpBuffer or a pending backward
+    keeps that): the slot of every (source rank, token, local expert) hit where HtBlockLayout
+    keeps the dense per-expert table (``prob``, M x E x 4 bytes) and the top-k indices where it
+    caches them (``topk_idx``); the host-side sizes are Python ints here."""
 
-    def __init__(self, topk_idx, group, size, rank, num_experts, max_tokens, alignment):
+    def __init__(self, handle_mem, topk_idx, group, size, rank, num_experts, max_tokens,
+                 max_recv, alignment, zero_copy):  # fmt: skip
         local = num_experts // size
-        tokens = topk_idx.shape[0]
-        k = topk_idx.shape[1]
+        tokens, k = topk_idx.shape
+        self.tokens, self.k, self.local, self.size, self.max_tokens = (
+            tokens,
+            k,
+            local,
+            size,
+            max_tokens,
+        )
+        offsets, start = {}, 0
+        for name, nbytes in handle_mem_terms(max_tokens, max_recv, size, num_experts, k, zero_copy):
+            offsets[name] = start
+            start += nbytes
+        self.slot_at, self.topk_at = offsets["prob"], offsets["topk_idx"]
         counts = host_all_gather_ints([tokens], group)
-        self.tokens = tokens
         padded = torch.full((max_tokens, k), -1, dtype=torch.long, device=topk_idx.device)
         padded[:tokens] = topk_idx.long()
         every = all_gather_rows(padded, group).view(size, max_tokens, k)
-        # hits[s, t, d, e]: source s's token t routed to rank d's local expert e.
         experts = torch.arange(num_experts, device=topk_idx.device)
         hits = (every.unsqueeze(-1) == experts).any(2).view(size, max_tokens, size, local)
         for s, (n,) in enumerate(counts):
             hits[s, n:] = False
-        self.hits_in = hits[:, :, rank]  # [source, token, local expert] received here
-        self.hits_out = hits[rank, :tokens]  # [token, destination, local expert] sent from here
-        self.local = local
-        self.size = size
+        hits_in = hits[:, :, rank]  # [source, token, local expert] received here
         # Zones: local expert by local expert, (source, token) order, padded to the alignment.
-        raw = [count_set(self.hits_in[:, :, e]) for e in range(local)]
+        raw = [count_set(hits_in[:, :, e]) for e in range(local)]
         align = alignment if alignment > 1 else 1
         self.padded = [c + (-c % align) if c else 0 for c in raw]
         self.raw = raw
         self.starts = [sum(self.padded[:e]) for e in range(local)]
         self.total = sum(self.padded)
-        # The slot of every (source, token, expert) hit.
-        flat = self.hits_in.permute(2, 0, 1).reshape(local, -1)  # [expert, source * M + token]
+        flat = hits_in.permute(2, 0, 1).reshape(local, -1)  # [expert, source * M + token]
         rank_in_zone = torch.cumsum(flat.int(), 1) - 1
-        starts = torch.tensor(self.starts, dtype=torch.int64, device=topk_idx.device)
+        starts = torch.tensor(self.starts, dtype=torch.int32, device=topk_idx.device)
         slot = torch.where(
             flat, rank_in_zone + starts.unsqueeze(1), torch.full_like(rank_in_zone, -1)
         )
-        self.slot = slot.view(local, size, max_tokens).permute(1, 2, 0)  # [source, token, expert]
-        self.topk_idx = topk_idx.long()
-        self.k = k
+        self._slot(handle_mem).copy_(slot.view(local, size, max_tokens).permute(1, 2, 0))
+        self._topk(handle_mem).copy_(padded)
+
+    def _slot(self, handle_mem) -> torch.Tensor:
+        n = self.size * self.max_tokens * self.local * 4
+        view = handle_mem[self.slot_at : self.slot_at + n].view(torch.int32)
+        return view.view(self.size, self.max_tokens, self.local)
+
+    def _topk(self, handle_mem) -> torch.Tensor:
+        n = self.max_tokens * self.k * 8
+        return handle_mem[self.topk_at : self.topk_at + n].view(torch.int64).view(-1, self.k)
+
+    def held(self, handle_mem) -> _Held:
+        return _Held(self, handle_mem)
+
+
+class _Held:
+    """A prepared handle's routing, read from its handle_mem for one op."""
+
+    def __init__(self, info: _Routing, handle_mem) -> None:
+        self.__dict__.update(vars(info))
+        self.slot = info._slot(handle_mem)  # [source, token, local expert], -1: no hit
+        self.hits_in = self.slot >= 0
+        self.topk_idx = info._topk(handle_mem)[: info.tokens]
+        experts = torch.arange(info.size * info.local, device=handle_mem.device)
+        hits = (self.topk_idx.unsqueeze(-1) == experts).any(1)
+        self.hits_out = hits.view(info.tokens, info.size, info.local)  # [token, dest, expert]
 
     # Rows go to each destination as its (expert, token) hits, expert-major.
     def send_pairs(self, d: int):
@@ -331,7 +372,7 @@ class _Routing:
         parts = []
         for s in range(self.size):
             pairs = self.recv_pairs(s)
-            parts.append(self.slot[s, pairs[:, 1], pairs[:, 0]])
+            parts.append(self.slot[s, pairs[:, 1], pairs[:, 0]].long())
         return torch.cat(parts)
 
     def padding_rows(self) -> List[int]:
@@ -410,12 +451,12 @@ class _Backend:
                                self.num_experts, top_k, self.zero_copy)  # fmt: skip
 
     # -- the ops --------------------------------------------------------------------------
-    def _routing(self, handle_mem: torch.Tensor) -> _Routing:
+    def _routing(self, handle_mem: torch.Tensor) -> _Held:
         self.get()
         routing = self.handles.get(handle_mem.untyped_storage().data_ptr())
         if routing is None:
             raise RuntimeError("NCCL EP: the handle was not prepared (ep_backend.cpp)")
-        return routing
+        return routing.held(handle_mem)
 
     def prepare(self, handle_mem, topk_idx, counts, top_k, alignment, total=None, int64_only=False):
         self.get()
@@ -439,8 +480,8 @@ class _Backend:
                 f"{self.max_tokens}; nccl_ep.cc:2864-2866 asserts and aborts)"
             )
         size, rank = group_size(self.group), group_rank(self.group)
-        routing = _Routing(topk_idx, self.group, size, rank, self.num_experts, self.max_tokens,
-                           alignment)  # fmt: skip
+        routing = _Routing(handle_mem, topk_idx, self.group, size, rank, self.num_experts,
+                           self.max_tokens, self.max_recv, alignment, self.zero_copy)  # fmt: skip
         if routing.total > self.max_recv and not self.drop:
             raise RuntimeError(
                 f"NCCL EP: {routing.total} received slots > max_recv_tokens_per_rank "
@@ -1062,7 +1103,11 @@ def _import(name, globals=None, locals=None, fromlist=(), level=0):
 def install(api: str) -> _Module:
     """Answer ``from transformer_engine.pytorch import ep`` (and ``from
     transformer_engine.pytorch.ep import ...``) with the emulation of TE ``api``; other TE
-    imports still fail. Must run before megatron-core's fused_a2a is imported."""
+    imports still fail. Must run before megatron-core's fused_a2a is imported; installing the
+    same API again keeps the module megatron bound."""
+    current = _STATE["module"]
+    if current is not None and current.TE_COMMIT == TE_COMMITS.get(api):
+        return current  # a rank forked from a zygote that installed it already
     module = build(api)
     if _STATE["import"] is None:
         _STATE["import"] = builtins.__import__

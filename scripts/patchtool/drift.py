@@ -29,11 +29,35 @@ _DEV_V2_PENDING = (
     "dev's DeepEP v2 buffers are destroyed once nothing references them (a pending backward's "
     "autograd ctx keeps one), and the release destroys every one still alive after its barrier"
 )
+_DISPATCHER = "megatron/core/transformer/moe/token_dispatcher.py::"
+_NO_NCCL_EP = "this branch has no NCCL EP (moe_flex_dispatcher_backend: 'deepep', 'hybridep')"
+_NCCL_EP_RELEASE = ("_note_nccl_ep_capture", "is_nccl_ep_bootstrapped", "reset_fused_a2a_buffers")
 NOT_CARRIED: dict[tuple[str, str], str] = {
     ("patches/upstream/dev", _BUFFERS + "_held_comm_buffers"): _DEV_V2,
     ("patches/upstream/dev", _BUFFERS + "reset_deep_ep_buffer"): _DEV_V2,
     ("patches/upstream/dev", _BUFFERS + "reset_fused_a2a_buffers"): _DEV_V2_PENDING,
+    ("patches/upstream/dev", _DISPATCHER + "nccl_ep_release_context"): (
+        "dev's NCCL EP manager has no zero-copy buffers: its release only finalizes the context"
+    ),
+    ("patches/upstream/main", _BUFFERS + "is_nccl_ep_bootstrapped"): (
+        "main has its own (TE's is_ep_bootstrapped where TE has it), which the series calls"
+    ),
+    ("patches/upstream/main", _DISPATCHER + "nccl_ep_release_context"): (
+        "main has its own (paged stash's rerun calls it), which the series calls"
+    ),
 }
+# The release branches before 0.19 carry none of NCCL EP's release (reset_fused_a2a_buffers
+# there is the primary's without its NCCL EP part).
+for _series in (
+    "patches/backports/core_r0.18.0",
+    "patches/backports/core_r0.18.0@0.18.0",
+    "patches/backports/core_r0.17.0",
+    "patches/backports/core_r0.17.0@0.17.0",
+    "patches/backports/core_r0.16.0",
+):
+    for _name in _NCCL_EP_RELEASE:
+        NOT_CARRIED[(_series, _BUFFERS + _name)] = _NO_NCCL_EP
+    NOT_CARRIED[(_series, _DISPATCHER + "nccl_ep_release_context")] = _NO_NCCL_EP
 
 
 def definitions(source: bytes, path: str) -> dict[str, str]:

@@ -50,6 +50,9 @@ BACKPORT_CASES = (
     "transformer/moe/test_dispatcher_state_release.py::test_bitwise_equal_to_base[flex-deepepv2-"
     "ep2-",
     "transformer/moe/test_deepep_v2_buffer.py::test_a_replaced_buffer_serves_its_pending_",
+    "transformer/moe/test_nccl_ep_buffers.py::test_release_frees_the_context_and_the_next_step_"
+    "recreates_it[normal]",
+    "transformer/moe/test_nccl_ep_buffers.py::test_a_second_ep_group_is_refused_not_silently_",
     "transformer/moe/test_dispatcher_state_release.py::test_series_adds_no_host_sync[flex-"
     "hybridep-ep2-",
     "transformer/moe/test_dispatcher_state_release.py::test_cudagraph_attrs_survive_release["
