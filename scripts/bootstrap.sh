@@ -46,6 +46,6 @@ export PYTHONDONTWRITEBYTECODE=1
 # MOE_RELEASE_BASE_TREE.
 materialize_trees() {
     local exports
-    exports="$("$PY" "$ROOT/scripts/moe_release.py" trees "$@")"
+    exports="$("$PY" "$ROOT/scripts/moe_release.py" trees "$@")" || return $?
     eval "$exports"
 }

@@ -46,6 +46,7 @@ PR_TOPICS = {
         "HybridEP and DeepEP buffers",
         "HybridEP buffer per",
         "DeepEP buffer explicitly",
+        "NCCL EP's context",
     ),
 }
 TOPICS = ("memory", *PR_TOPICS, "cpu-import")
@@ -338,9 +339,10 @@ PR_SUMMARY = {
         "Related to #2236 (which moved the node's clearing to __del__).",
     ),
     "comm-buffers": (
-        "Give the flex dispatcher's HybridEP/DeepEP communication buffers a lifecycle: one "
-        "HybridEP buffer per process group, a collective reset_fused_a2a_buffers() that "
-        "destroy_model_parallel() calls, and DeepEP buffers destroyed explicitly.",
+        "Give the flex dispatcher's communication buffers a lifecycle: one HybridEP buffer per "
+        "process group, a collective reset_fused_a2a_buffers() that destroy_model_parallel() "
+        "calls, DeepEP buffers destroyed explicitly, and NCCL EP's context and zero-copy "
+        "buffers released with them.",
         "Related to #7029 (whose reset_fused_a2a_buffers() name and teardown stage this matches).",
     ),
     "cpu-import": (
