@@ -252,8 +252,9 @@ def test_destroy_model_parallel_frees_nccl_ep_and_a_new_model_starts_clean(
 
 def rank_two_groups():
     """Rank side (4 ranks): a dispatcher on parallel_state's EP groups [0,1],[2,3] (A) and one
-    on [0,2],[1,3] (B). B alone after a release is the reference; B while A's context is live
-    is what the tree does with a second EP group."""
+    on [0,2],[1,3] (B). B runs first on its own group, then the release; then A, and B while
+    A's context is live (a manager that bootstrapped before the release must check the group
+    again); then the release and B alone once more."""
     from cpu_runtime.moe_harness import init_megatron
     from megatron.core.transformer.moe import fused_a2a
 
@@ -262,7 +263,8 @@ def rank_two_groups():
     other = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
     config = _config(2, zero_copy=False)
     a, b = _dispatcher(config), _dispatcher(config, other)
-    out = {}
+    out = {"b_first": _step(b, 2)}
+    fused_a2a.reset_fused_a2a_buffers()
     _step(a, 1)
     try:
         out["b_with_a_live"] = _step(b, 2)
@@ -276,10 +278,12 @@ def rank_two_groups():
 
 def test_a_second_ep_group_is_refused_not_silently_rerouted(dist_job, patched_tree):
     """NCCL EP serves one EP group per process: while it is bootstrapped on A's group, B's
-    dispatch raises, naming the release; after the release B runs on its own group."""
+    dispatch raises, naming the release, also when B ran on its own group before an earlier
+    release; after the release B runs on its own group again, bitwise what it computed first."""
     for rank, res in enumerate(dist_job(f"{THIS}:rank_two_groups", 4, patched_tree)):
         assert res["error"] and "reset_fused_a2a_buffers" in res["error"], f"rank {rank}: {res}"
         assert res["b_alone"][0].shape == (TOKENS, HIDDEN), rank
+        assert all(torch.equal(x, y) for x, y in zip(res["b_first"], res["b_alone"])), rank
 
 
 def test_base_reroutes_a_second_ep_group_over_the_first(dist_job, base_tree):

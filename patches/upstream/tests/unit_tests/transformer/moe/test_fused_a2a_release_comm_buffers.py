@@ -1,7 +1,8 @@
 # Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
 
 """The flex dispatcher's communication buffers: one HybridEP buffer per process group, released
-collectively by fused_a2a.reset_fused_a2a_buffers(), DeepEP's destroyed explicitly.
+collectively by fused_a2a.reset_fused_a2a_buffers(), DeepEP's destroyed explicitly, NCCL EP's
+context released with them.
 
 The HybridEP and DeepEP buffers are module globals allocated outside PyTorch's caching
 allocator, so torch.cuda.empty_cache() cannot return their memory:
@@ -14,9 +15,13 @@ allocator, so torch.cuda.empty_cache() cannot return their memory:
   same results.
 * DeepEP's buffer is built with explicitly_destroy where deep_ep supports it and destroyed at
   known points: before get_buffer() allocates a larger replacement, and on release.
+* NCCL EP's process-wide context (TransformerEngine serves one EP group per process) is
+  released by the same call, and a model on another EP group is refused until then instead of
+  dispatching over the bootstrapped group's communicator.
 """
 
 import copy
+import dataclasses
 import functools
 import gc
 import inspect
@@ -62,6 +67,15 @@ def _skip_unless(backend: str) -> None:
         pytest.skip("Deep EP is not available")
     if backend == "hybridep" and not fused_a2a.HAVE_HYBRIDEP:
         pytest.skip("Hybrid EP is not available")
+    if backend == "ncclep" and not getattr(fused_a2a, "HAVE_TE_EP", False):
+        pytest.skip("NCCL EP is not available")
+
+
+def _nccl_ep_group():
+    """The EP group NCCL EP is bootstrapped on, or None."""
+    if not getattr(fused_a2a, "HAVE_TE_EP", False) or not fused_a2a.te_ep._BOOTSTRAPPED:
+        return None
+    return fused_a2a.te_ep._EP_GROUP
 
 
 def _build_moe_layer(backend: str, pg_collection=None, seed: int = 123) -> MoELayer:
@@ -71,6 +85,11 @@ def _build_moe_layer(backend: str, pg_collection=None, seed: int = 123) -> MoELa
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     ep_size = parallel_state.get_expert_model_parallel_world_size()
+    extra = {}
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    if backend == "ncclep" and "moe_ncclep_static_shape" in fields:
+        # Static NCCL EP shapes need a receive capacity (EP 8, top-2: twice the even share).
+        extra["moe_expert_rank_capacity_factor"] = 2.0
     config = TransformerConfig(
         num_layers=1,
         hidden_size=HIDDEN_SIZE,
@@ -89,6 +108,7 @@ def _build_moe_layer(backend: str, pg_collection=None, seed: int = 123) -> MoELa
         expert_model_parallel_size=ep_size,
         bf16=True,
         params_dtype=torch.bfloat16,
+        **extra,
     )
     submodules = moe_submodules()
     layer = MoELayer(config, submodules, pg_collection=pg_collection)
@@ -138,7 +158,10 @@ def _assert_bitwise_equal(actual: dict, expected: dict, what: str) -> None:
 
 
 def _held_buffer(backend: str):
-    """This rank's HybridEP buffer (of its one EP group) or DeepEP buffer, or None."""
+    """This rank's HybridEP buffer (of its one EP group), DeepEP buffer, or NCCL EP's group
+    (while its context is bootstrapped), or None."""
+    if backend == "ncclep":
+        return _nccl_ep_group()
     if backend == "hybridep":
         buffers = list(fused_a2a._hybrid_ep_buffers.values())
         assert len(buffers) <= 1, f"{len(buffers)} HybridEP buffers for one EP group"
@@ -157,6 +180,8 @@ def _release_buffers() -> None:
     torch.distributed.barrier()
     fused_a2a.reset_hybrid_ep_buffer()
     fused_a2a._buffer = None
+    if hasattr(fused_a2a, "nccl_ep_finalize"):
+        fused_a2a.nccl_ep_finalize()
 
 
 class _CapturingCuda:
@@ -223,7 +248,7 @@ class TestFusedA2ACommBuffers:
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
-    @pytest.mark.parametrize("moe_flex_dispatcher_backend", ["deepep", "hybridep"])
+    @pytest.mark.parametrize("moe_flex_dispatcher_backend", ["deepep", "hybridep", "ncclep"])
     def test_release_and_recreate(self, moe_flex_dispatcher_backend):
         """A release between steps frees the buffer; the next step re-creates it and gives
         bitwise the same outputs and gradients."""
@@ -235,12 +260,13 @@ class TestFusedA2ACommBuffers:
         first = _forward_backward(layer, inp)
         buffer = _held_buffer(backend)
         assert buffer is not None, f"no {backend} buffer after a dispatch"
-        buffer_ref = weakref.ref(buffer)
+        # NCCL EP's "buffer" is its group, which parallel_state keeps.
+        buffer_ref = weakref.ref(buffer) if backend != "ncclep" else lambda: None
         del buffer
 
         fused_a2a.reset_fused_a2a_buffers()
         gc.collect()
-        assert _held_buffer(backend) is None
+        assert _held_buffer(backend) is None, f"the {backend} buffer outlives the release"
         assert buffer_ref() is None, f"the released {backend} buffer is still referenced"
 
         second = _forward_backward(layer, inp)
@@ -250,7 +276,7 @@ class TestFusedA2ACommBuffers:
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
-    @pytest.mark.parametrize("moe_flex_dispatcher_backend", ["deepep", "hybridep"])
+    @pytest.mark.parametrize("moe_flex_dispatcher_backend", ["deepep", "hybridep", "ncclep"])
     def test_destroy_model_parallel_releases(self, moe_flex_dispatcher_backend):
         backend = moe_flex_dispatcher_backend
         _skip_unless(backend)
@@ -295,6 +321,30 @@ class TestFusedA2ACommBuffers:
         assert set(buffers) == groups, (
             f"{len(buffers)} HybridEP buffers, not one for each of the two layers' groups"
         )
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+    @pytest.mark.internal
+    def test_nccl_ep_second_ep_group_is_refused_until_released(self):
+        """TransformerEngine serves one NCCL EP group per process: while it is bootstrapped on
+        layer A's EP group, layer B (on another group) is refused, naming the release, instead
+        of dispatching over A's communicator; after the release B runs on its own group and
+        gives bitwise the results of B alone."""
+        _skip_unless("ncclep")
+        _, group_b = self._two_ep_groups()
+        pgc_b = copy.copy(get_default_pg_collection())
+        pgc_b.ep = pgc_b.tp_ep = group_b
+        layers = {"A": _build_moe_layer("ncclep"), "B": _build_moe_layer("ncclep", pgc_b)}
+        inputs = {"A": _make_input(1000), "B": _make_input(2000)}
+        alone = _forward_backward(layers["B"], inputs["B"])
+        fused_a2a.reset_fused_a2a_buffers()
+
+        _forward_backward(layers["A"], inputs["A"])
+        with pytest.raises(RuntimeError, match="reset_fused_a2a_buffers"):
+            _forward(layers["B"], inputs["B"])
+        fused_a2a.reset_fused_a2a_buffers()
+        after = _forward_backward(layers["B"], inputs["B"])
+        _assert_bitwise_equal(after, alone, "layer B after the release")
+        assert _nccl_ep_group() is layers["B"].token_dispatcher.tp_ep_group
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
@@ -348,7 +398,7 @@ class TestFusedA2ACommBuffers:
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
-    @pytest.mark.parametrize("moe_flex_dispatcher_backend", ["deepep", "hybridep"])
+    @pytest.mark.parametrize("moe_flex_dispatcher_backend", ["deepep", "hybridep", "ncclep"])
     def test_reset_refuses_while_a_captured_dispatch_may_replay(
         self, moe_flex_dispatcher_backend, monkeypatch
     ):
@@ -368,7 +418,7 @@ class TestFusedA2ACommBuffers:
             fused_a2a.reset_fused_a2a_buffers()
         buffer = _held_buffer(backend)
         assert buffer is not None, f"the refused release dropped the {backend} buffer"
-        buffer_ref = weakref.ref(buffer)
+        buffer_ref = weakref.ref(buffer) if backend != "ncclep" else lambda: None
         del buffer
 
         fused_a2a.reset_fused_a2a_buffers(graphs_released=True)
