@@ -27,8 +27,11 @@ to the combine chunk (since deep_ep 4214430). megatron-core call sites are cited
 megatron-core 0.19.2. Terms marked approximate (the DOCA queue pairs of multi-node HybridEP)
 come from a stored NCCL version, not deep_ep's submodule pin. Not modelled: NVSHMEM's own
 memory (DeepEP across more than 8 ranks), the cuMem fabric granularity, NCCL communicators,
-DeepEP's low-latency mode, the NCCL-EP backend, and (for the retained state) capacity-factor
-routing (drop-and-pad keeps other shapes).
+DeepEP's low-latency mode, NCCL EP's leaked device communicator (one cuMem granule per
+bootstrap), and (for the retained state) capacity-factor routing (drop-and-pad keeps other
+shapes) and the DeepEP v2 and NCCL EP backends, whose buffers are priced
+(:func:`deepep_v2_buffer_terms` at ``DEEP_EP_V2_COMMIT``, :func:`nccl_ep_terms` at
+``NCCL_EP_COMMIT``) but whose retained state is not.
 
 Imports only the standard library.
 """
@@ -42,6 +45,11 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence
 
 DEEP_EP_COMMIT = "94a9f8f6b146c07d97ec58f67cd6d303296d6098"
+# DeepEP v2 (ElasticBuffer, megatron dev's 'deepepv2'): the epv2-release branch.
+DEEP_EP_V2_COMMIT = "018f21ea62c6c2888d9b46806aad6d90b399b23d"
+# NCCL EP (TransformerEngine's NCCL EP API, the 'ncclep' backend): nccl-extensions, as pinned by
+# TransformerEngine d0067d0 (3rdparty/nccl-extensions).
+NCCL_EP_COMMIT = "9f47d6eb3b60962d8157a579b4caaaa4ae6b19f4"
 
 # Where a term's bytes live.
 OUTSIDE = "outside allocator"  # cudaMalloc, CUDA IPC, cuMem or NVSHMEM, by deep_ep
@@ -82,18 +90,26 @@ DEEPEP_COMBINE_CONFIGS = {
 
 @dataclass(frozen=True)
 class Term:
-    """One allocation: its name, bytes, where it lives and the source line that sizes it."""
+    """One allocation: its name, bytes, where it lives and the source line that sizes it;
+    ``released`` is False for what the kernel's destroy leaves allocated."""
 
     name: str
     nbytes: int
     where: str
     source: str
     note: str = ""
+    released: bool = True
 
 
 def total(terms: Sequence[Term], where: Optional[str] = None) -> int:
     """Bytes of ``terms`` (of those living ``where`` only, if given)."""
     return sum(t.nbytes for t in terms if where is None or t.where == where)
+
+
+def released_bytes(terms: Sequence[Term]) -> int:
+    """Bytes a release of these buffers gives back, device and pinned host: every term but
+    those the kernel's destroy leaves allocated."""
+    return sum(t.nbytes for t in terms if t.released)
 
 
 def _up(value: int, multiple: int) -> int:
@@ -344,7 +360,10 @@ def deepep_buffer_terms(
         Term("NVLink barrier signals and pointers", DEEPEP_NVL_META, OUTSIDE,
              "csrc/deep_ep.cpp:171-184"),
         Term("workspace", DEEPEP_WORKSPACE, OUTSIDE, "csrc/deep_ep.cpp:186-188"),
-        Term("receive counters", 8 + 4 * 1024 + 4, HOST, "csrc/deep_ep.cpp:191-206"),
+        Term("receive counters (token, per local expert)", 8 + 4 * 1024, HOST,
+             "csrc/deep_ep.cpp:191-200", "freed by destroy() (deep_ep.cpp:299-304)"),
+        Term("RDMA receive counter", 4, HOST, "csrc/deep_ep.cpp:202-206",
+             "destroy() does not free it (deep_ep.cpp:299-304)", released=False),
     ]  # fmt: skip
     if rdma:
         t.append(Term("RDMA buffer (num_rdma_bytes)", rdma, OUTSIDE, "csrc/config.hpp:75-103",
@@ -356,6 +375,102 @@ def deepep_buffer_terms(
 def deepep_emulated_bytes(hidden_bytes: int, group_size: int, num_sms: int) -> int:
     """Device bytes of :func:`deepep_buffer_terms` (what the CPU emulation allocates)."""
     return total(deepep_buffer_terms(hidden_bytes, group_size, num_sms), OUTSIDE)
+
+
+# DeepEP v2: layout::WorkspaceLayout::get_num_bytes() (deep_ep/include/deep_ep/common/
+# layout.cuh:43-81): barrier signals, notify reduction, scale-up/out rank and expert counters
+# for 1024 ranks and 2048 experts, 1024 x 1024 channel metadata and tails, PP and AGRS signals.
+DEEPEP_V2_WORKSPACE = 12_820_544
+
+
+def _a32(n: int) -> int:
+    return _up(n, 32)
+
+
+def _a256(n: int) -> int:
+    return _up(n, 256)
+
+
+def deepep_v2_buffer_terms(
+    group_size: int, tokens_per_rank: int, hidden: int, topk: int, fp8: bool = False
+) -> List[Term]:
+    """One rank's DeepEP v2 ``ElasticBuffer`` as megatron dev's ``get_elastic_buffer`` builds it
+    (``num_max_tokens_per_rank`` = the call's tokens; one NVLink domain): the NCCL symmetric
+    window of the workspace and the data buffer ``get_buffer_size_hint`` sizes
+    (``max(R x N x Bd, min(R, K) x N x Bc)``, ``Bd = a32(H x elem) + a32(4 x sf) +
+    a32(12 K + 4)``, ``Bc = a32(2 H) + a32(8 K)``), and the mapped pinned host workspace.
+    Sources at ``DEEP_EP_V2_COMMIT``, under ``csrc/elastic/`` and ``deep_ep/include/``."""
+    if tokens_per_rank <= 0 or hidden <= 0:
+        raise ValueError("DeepEP v2 needs tokens and a hidden size (buffer.hpp:600)")
+    if _cdiv(hidden, 32) * 4 > hidden:
+        raise ValueError(f"hidden_size: {hidden} is too small for DeepEP v2 (buffer.hpp:603)")
+    k = topk or 32
+    elem = 1 if fp8 else 2
+    if hidden * elem % 32:
+        raise ValueError(
+            f"hidden_size: DeepEP v2 needs hidden x {elem} bytes to be a multiple of 32, got "
+            f"{hidden} (layout.cuh:199)"
+        )
+    sf = _cdiv(hidden, 32) if fp8 else 0
+    dispatch = (
+        group_size * tokens_per_rank * (_a32(hidden * elem) + _a32(4 * sf) + _a32(12 * k + 4))
+    )
+    combine = min(group_size, k) * tokens_per_rank * (_a32(2 * hidden) + _a32(8 * k))
+    data = max(dispatch, combine)
+    return [
+        Term("symmetric window: data buffer", data, OUTSIDE, "buffer.hpp:595-629",
+             "get_buffer_size_hint; dispatch and combine tokens (layout.cuh:180-209)"),
+        Term("symmetric window: workspace", DEEPEP_V2_WORKSPACE, OUTSIDE, "layout.cuh:43-81",
+             "ncclMemAlloc of workspace + data (buffer.hpp:100-114)"),
+        Term("host workspace (mapped)", DEEPEP_V2_WORKSPACE, HOST, "buffer.hpp:118-120"),
+    ]  # fmt: skip
+
+
+def nccl_ep_capacity(tokens_per_rank: int, topk: int, capacity_factor: float, alignment: int = 0):
+    """``(M, MR)``: the tokens per rank NCCL EP is bootstrapped for (rounded up to 64) and the
+    receive capacity (``M x top-k x capacity factor``, rounded up to the alignment), as
+    megatron's ``_NCCLEPManager._ensure_bootstrap`` sizes them."""
+    m = _up(tokens_per_rank, 64)
+    mr = int(m * topk * capacity_factor)
+    return m, (_up(mr, alignment) if alignment else mr)
+
+
+def nccl_ep_terms(
+    group_size: int,
+    num_experts: int,
+    max_tokens: int,
+    recv_capacity: int,
+    hidden: int,
+    zero_copy: bool = False,
+) -> List[Term]:
+    """One rank's NCCL EP context (``ncclEpCreateGroup`` for TransformerEngine's configuration:
+    high throughput, one NVLink domain, expert-major) and, with zero-copy, megatron's two
+    persistent symmetric buffers; ``max_tokens`` (M) and ``recv_capacity`` (MR) as
+    :func:`nccl_ep_capacity` gives them, bf16 payloads (B = 2 x hidden). Sources at
+    ``NCCL_EP_COMMIT``, ``nccl_ep/nccl_ep.cc``."""
+    r, m, mr, e, b = group_size, max_tokens, recv_capacity, num_experts, 2 * hidden
+    terms = [
+        Term("workspace", 32 * 1024 * 1024, OUTSIDE, "nccl_ep.cc:1910-1911",
+             "NUM_WORKSPACE_BYTES, include/common.hpp:19"),
+        Term("counter block", 32, OUTSIDE, "nccl_ep.cc:1102-1128"),
+        Term("all-gathered routing map", r * m * _cdiv(e, 8), OUTSIDE, "nccl_ep.cc:1953-1963"),
+    ]  # fmt: skip
+    if not zero_copy:
+        terms.append(Term("dispatch and combine token staging", 2 * _a256(m * r * b), OUTSIDE,
+                          "nccl_ep.cc:1013-1045", "symmetric window"))  # fmt: skip
+    terms += [
+        Term("dispatch and combine probabilities", 2 * _a256(mr * e * 4), OUTSIDE,
+             "nccl_ep.cc:1013-1045", "symmetric window"),
+        Term("scale region", _a256(mr * b), OUTSIDE, "nccl_ep.cc:1032-1038",
+             "allocated for bf16 too"),
+        Term("completion flags", 8, OUTSIDE, "nccl_ep.cc:1089-1091"),
+        Term("host pointer block (mapped)", 40 * r, HOST, "nccl_ep.cc:1072-1075"),
+    ]  # fmt: skip
+    if zero_copy:
+        terms.append(Term("zero-copy buffers (fc2 output, fc1 dgrad) [MR, H] bf16 x 2",
+                          2 * mr * b, OUTSIDE, f"{SRC} _NCCLEPManager._ensure_bootstrap",
+                          "torch symmetric memory on the EP group"))  # fmt: skip
+    return terms
 
 
 # --------------------------------------------------------------------------------------------
@@ -414,7 +529,8 @@ class LayerShape:
 
 
 DISPATCHERS = ("allgather", "alltoall", "flex")
-BACKENDS = ("deepep", "hybridep")
+BACKENDS = ("deepep", "hybridep")  # the retained state is modelled for these
+FLEX_BACKENDS = ("deepep", "hybridep", "deepepv2", "ncclep")
 SRC = "megatron/core/transformer/moe/token_dispatcher.py"
 
 
@@ -539,6 +655,8 @@ class MoEMemoryConfig:
     moe_flex_dispatcher_num_sms: Optional[int] = None
     moe_hybridep_num_sms_preprocessing: int = DEFAULT_BLOCKS_PREPROCESSING
     moe_router_dtype: Optional[str] = None
+    moe_expert_rank_capacity_factor: Optional[float] = None
+    moe_ncclep_zero_copy: bool = False
     recompute_granularity: Optional[str] = None
     recompute_modules: Sequence[str] = ("core_attn",)
     bf16: bool = True
@@ -581,11 +699,14 @@ class MoEMemoryConfig:
                 f"moe_token_dispatcher_type: {self.moe_token_dispatcher_type!r} is not one of "
                 "allgather, alltoall, flex"
             )
-        if self.moe_flex_dispatcher_backend not in ("deepep", "hybridep"):
+        if self.moe_flex_dispatcher_backend not in FLEX_BACKENDS:
             raise ValueError(
                 f"moe_flex_dispatcher_backend: {self.moe_flex_dispatcher_backend!r} is not one "
-                "of deepep, hybridep (NCCL-EP is not modelled)"
+                f"of {', '.join(FLEX_BACKENDS)}"
             )
+        factor = self.moe_expert_rank_capacity_factor
+        if factor is not None and not (isinstance(factor, (int, float)) and factor > 0):
+            raise ValueError(f"moe_expert_rank_capacity_factor: must be positive, got {factor}")
         if self.moe_router_dtype not in (None, "fp32", "fp64"):
             raise ValueError(
                 f"moe_router_dtype: {self.moe_router_dtype!r} is not one of fp32, fp64"
@@ -696,6 +817,17 @@ def buffer_terms(cfg: MoEMemoryConfig) -> List[Term]:
     """The communication buffers ``cfg``'s dispatcher allocates (flex only)."""
     if cfg.moe_token_dispatcher_type != "flex":
         return []
+    if cfg.moe_flex_dispatcher_backend == "deepepv2":
+        return deepep_v2_buffer_terms(cfg.group_size, cfg.tokens, cfg.hidden_size,
+                                      cfg.moe_router_topk)  # fmt: skip
+    if cfg.moe_flex_dispatcher_backend == "ncclep":
+        m, mr = nccl_ep_capacity(
+            cfg.tokens, cfg.moe_router_topk, cfg.moe_expert_rank_capacity_factor or 1.0
+        )
+        if cfg.moe_expert_rank_capacity_factor is None:  # eager (main): MR = R x M x top-k
+            mr = cfg.group_size * m * cfg.moe_router_topk
+        return nccl_ep_terms(cfg.group_size, cfg.num_moe_experts, m, mr, cfg.hidden_size,
+                             cfg.moe_ncclep_zero_copy)  # fmt: skip
     if cfg.moe_flex_dispatcher_backend == "deepep":
         sms = cfg.moe_flex_dispatcher_num_sms or DEFAULT_DEEPEP_SMS
         # fused_a2a.get_hidden_bytes: H x max(element size, 2).
@@ -792,10 +924,14 @@ def plan(cfg: MoEMemoryConfig, held_rows: Optional[int] = None) -> Dict[str, obj
     buffers = buffer_terms(cfg)
     group = cfg.group_size if flex else cfg.expert_model_parallel_size
     nodes = max(group // cfg.ranks_per_node, 1)
-    retained = retained_state_terms(shape, cfg.moe_token_dispatcher_type, backend, nodes)
-    chain = retained_chain_terms(shape, cfg.moe_token_dispatcher_type, backend)
+    modelled = backend in (None,) + BACKENDS
+    if modelled:
+        retained = retained_state_terms(shape, cfg.moe_token_dispatcher_type, backend, nodes)
+        chain = retained_chain_terms(shape, cfg.moe_token_dispatcher_type, backend)
+    else:  # DeepEP v2 and NCCL EP: the buffers are priced, the retained state is not modelled
+        retained, chain = [], []
     layers = cfg.moe_layers_per_rank
-    per_layer = total(retained)
+    per_layer = total(retained) if modelled else None
     out = {
         "config": dict(asdict(cfg), recompute_modules=list(cfg.recompute_modules)),
         "derived": {
@@ -807,6 +943,8 @@ def plan(cfg: MoEMemoryConfig, held_rows: Optional[int] = None) -> Dict[str, obj
             "moe_layers_per_rank": layers,
             "recompute": shape.recompute,
             "deep_ep_commit": DEEP_EP_COMMIT,
+            "deep_ep_v2_commit": DEEP_EP_V2_COMMIT,
+            "nccl_ep_commit": NCCL_EP_COMMIT,
         },
         "buffers": [asdict(t) for t in buffers],
         "retained_per_layer": [asdict(t) for t in retained],
@@ -814,10 +952,13 @@ def plan(cfg: MoEMemoryConfig, held_rows: Optional[int] = None) -> Dict[str, obj
         "totals": {
             "buffers_outside_allocator": total(buffers, OUTSIDE),
             "buffers_pinned_host": total(buffers, HOST),
+            "buffers_released": released_bytes(buffers),
             "retained_per_layer_base": per_layer,
-            "retained_per_layer_patched": 0,
-            "retained_between_calls_base": per_layer * layers + total(chain) * (layers - 1),
-            "retained_between_calls_patched": 0,
+            "retained_per_layer_patched": 0 if modelled else None,
+            "retained_between_calls_base": (
+                per_layer * layers + total(chain) * (layers - 1) if modelled else None
+            ),
+            "retained_between_calls_patched": 0 if modelled else None,
         },
     }
     if flex and backend == "hybridep":
@@ -850,6 +991,7 @@ FLAGS = {
     "--moe-flex-dispatcher-num-sms": "moe_flex_dispatcher_num_sms",
     "--moe-hybridep-num-sms-preprocessing": "moe_hybridep_num_sms_preprocessing",
     "--moe-router-dtype": "moe_router_dtype",
+    "--moe-expert-rank-capacity-factor": "moe_expert_rank_capacity_factor",
     "--recompute-granularity": "recompute_granularity",
     "--recompute-modules": "recompute_modules",
     "--tokens-per-rank": "tokens_per_rank",
@@ -919,10 +1061,13 @@ def config_from_args(argv: Optional[Sequence[str]] = None) -> tuple:
         if name == "recompute_modules":
             p.add_argument(flag, nargs="*", dest=name, default=None)
         else:
-            kind = int if name in INT_FIELDS else float if name == "routed_rows_factor" else str
+            floats = ("routed_rows_factor", "moe_expert_rank_capacity_factor")
+            kind = int if name in INT_FIELDS else float if name in floats else str
             p.add_argument(flag, dest=name, type=kind, default=None)
     p.add_argument("--bf16", action="store_true", default=None)
     p.add_argument("--fp16", action="store_true", default=None)
+    p.add_argument("--moe-ncclep-zero-copy", dest="moe_ncclep_zero_copy", action="store_true",
+                   default=None)  # fmt: skip
     p.add_argument("--held-rows", type=int, help="rows per rank of a HybridEP buffer held now")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
@@ -930,6 +1075,8 @@ def config_from_args(argv: Optional[Sequence[str]] = None) -> tuple:
         raise ValueError(f"--held-rows: must be a positive integer, got {args.held_rows}")
     values = read_config_file(args.config_file) if args.config_file else {}
     values.update({n: getattr(args, n) for n in FLAGS.values() if getattr(args, n) is not None})
+    if args.moe_ncclep_zero_copy:
+        values["moe_ncclep_zero_copy"] = True
     if args.bf16 or args.fp16:
         values["bf16"] = True
     elif args.config_file is None or "bf16" not in values:
@@ -973,7 +1120,12 @@ def format_plan(result: Dict[str, object]) -> str:
             lines.append(f"  {t['name'][:50]:50}{t['nbytes']:>16,}  {t['where']:18} {t['source']}")
 
     if result["buffers"]:
-        lines.append(f"communication buffers (deep_ep {d['deep_ep_commit'][:7]}), base = patched:")
+        backend = result["config"]["moe_flex_dispatcher_backend"]
+        source = {
+            "deepepv2": f"DeepEP epv2-release {d['deep_ep_v2_commit'][:7]}",
+            "ncclep": f"NCCL EP, nccl-extensions {d['nccl_ep_commit'][:7]}",
+        }.get(backend, f"deep_ep {d['deep_ep_commit'][:7]}")
+        lines.append(f"communication buffers ({source}), base = patched:")
         rows(result["buffers"])
     if "growth" in result:
         g = result["growth"]
@@ -984,7 +1136,14 @@ def format_plan(result: Dict[str, object]) -> str:
     if "per_call" in result:
         lines.append("one HybridEP call's outputs (allocator):")
         lines += [f"  {k:50}{v:>16,}" for k, v in result["per_call"].items()]
-    lines.append("dispatcher state kept per MoE layer between calls, base (patched: 0):")
+
+    def num(value) -> str:
+        return f"{value:>16,}" if value is not None else f"{'not modelled':>16}"
+
+    if tot["retained_per_layer_base"] is None:
+        lines.append("dispatcher state kept between calls: not modelled for this backend")
+    else:
+        lines.append("dispatcher state kept per MoE layer between calls, base (patched: 0):")
     rows(result["retained_per_layer"])
     if result["retained_per_layer_but_the_last"]:
         lines.append("  and, reached from the next layer's graph (every MoE layer but the last):")
@@ -993,10 +1152,10 @@ def format_plan(result: Dict[str, object]) -> str:
         f"{'':52}{'base':>16}{'patched':>16}",
         f"{'buffers outside the allocator':52}{tot['buffers_outside_allocator']:>16,}"
         f"{tot['buffers_outside_allocator']:>16,}",
-        f"{'retained per MoE layer (allocator)':52}{tot['retained_per_layer_base']:>16,}"
-        f"{tot['retained_per_layer_patched']:>16,}",
-        f"{'retained between calls, all MoE layers':52}{tot['retained_between_calls_base']:>16,}"
-        f"{tot['retained_between_calls_patched']:>16,}",
+        f"{'retained per MoE layer (allocator)':52}{num(tot['retained_per_layer_base'])}"
+        f"{num(tot['retained_per_layer_patched'])}",
+        f"{'retained between calls, all MoE layers':52}"
+        f"{num(tot['retained_between_calls_base'])}{num(tot['retained_between_calls_patched'])}",
     ]
     return "\n".join(lines)
 

@@ -5,7 +5,9 @@
 * Buffer terms against figures worked by hand from deep_ep's source at the planner's
   ``DEEP_EP_COMMIT`` (the lines each term cites): seed 000's shape on one node, a hidden size
   that is not a multiple of 128, a multi-node group, ETP x EP, the non-shared buffer, FP8,
-  regrowth, DeepEP's NVLink and RDMA hints.
+  regrowth, DeepEP's NVLink and RDMA hints; DeepEP v2's window and NCCL EP's context, worked by
+  hand from their sources (``DEEP_EP_V2_COMMIT``, ``NCCL_EP_COMMIT``) and equal to the CPU
+  runtime's separately written emulations.
 * The emulation allocates the same terms (``cpu_runtime.deep_ep_emulation``), and a real
   megatron-core HybridEP dispatch + combine on CPU gloo ranks allocates the per-call prediction.
 * The retained state: predicted per dispatcher and recompute mode, against the retained-state
@@ -174,6 +176,80 @@ def test_deepep_buffer():
     assert wide["RDMA buffer (num_rdma_bytes)"] == 367_550_720
     with pytest.raises(ValueError, match="no config for 3 ranks"):
         planner.deepep_buffer_terms(4096, 3)
+
+
+def test_deepep_v2_buffer_worked_by_hand():
+    """DeepEP v2 (``DEEP_EP_V2_COMMIT``) at EP8, H=7168, top-8, 4,096 tokens per rank. bf16: a
+    dispatch token a32(14336) + a32(0) + a32(8 x 12 + 4) = 14,464 B, a combine token a32(14336)
+    + a32(64) = 14,400 B, the window's data max(8 x 4096 x 14464, min(8, 8) x 4096 x 14400).
+    FP8: a dispatch token 7168 + a32(4 x 224) + 128 = 8,192 B, so combine sizes the window."""
+    terms = _names(planner.deepep_v2_buffer_terms(8, 4096, 7168, 8))
+    assert terms["symmetric window: data buffer"] == 8 * 4096 * 14464 == 473_956_352
+    assert terms["symmetric window: workspace"] == terms["host workspace (mapped)"] == 12_820_544
+    fp8 = _names(planner.deepep_v2_buffer_terms(8, 4096, 7168, 8, fp8=True))
+    assert fp8["symmetric window: data buffer"] == 8 * 4096 * 14400 == 471_859_200
+    # Top-k 0 means 32 (elastic.py); the dispatch's 12 x 32 + 4 rounds up to 416.
+    wide = _names(planner.deepep_v2_buffer_terms(2, 100, 2048, 0))
+    assert wide["symmetric window: data buffer"] == max(2 * 100 * (4096 + 416), 2 * 100 * 4352)
+    with pytest.raises(ValueError, match="multiple of 32, got 1000"):
+        planner.deepep_v2_buffer_terms(8, 4096, 1000, 8)
+    with pytest.raises(ValueError, match="buffer.hpp:600"):
+        planner.deepep_v2_buffer_terms(8, 0, 7168, 8)
+
+
+def test_nccl_ep_context_worked_by_hand():
+    """NCCL EP (``NCCL_EP_COMMIT``) at EP8, 256 experts, top-8, H=7168, 4,096 tokens per rank,
+    capacity factor 1.5 (0.19.2's static mode): M = 4,096, MR = 4096 x 8 x 1.5 = 49,152, B =
+    14,336. Device: 32 MiB workspace + 32 + 8 x 4096 x 32 (routing map) + 2 x 4096 x 8 x 14336
+    (token staging) + 2 x 49152 x 256 x 4 (probabilities) + 49152 x 14336 (scales) + 8 (flags);
+    pinned 40 x 8. Zero-copy: no staging, megatron's two [MR, H] bf16 buffers instead."""
+    assert planner.nccl_ep_capacity(4096, 8, 1.5) == (4096, 49152)
+    assert planner.nccl_ep_capacity(4000, 8, 1.5, alignment=256) == (4032, 48384)
+    terms = planner.nccl_ep_terms(8, 256, 4096, 49152, 7168)
+    device = 33_554_432 + 32 + 1_048_576 + 939_524_096 + 100_663_296 + 704_643_072 + 8
+    assert planner.total(terms, planner.OUTSIDE) == device == 1_779_433_512
+    assert planner.total(terms, planner.HOST) == 320
+    zc = planner.nccl_ep_terms(8, 256, 4096, 49152, 7168, zero_copy=True)
+    assert planner.total(zc, planner.OUTSIDE) == device - 939_524_096 + 2 * 49152 * 14336
+    cfg = planner.MoEMemoryConfig(
+        hidden_size=7168, num_moe_experts=256, moe_router_topk=8, num_layers=4,
+        expert_model_parallel_size=8, tokens_per_rank=4096, moe_token_dispatcher_type="flex",
+        moe_flex_dispatcher_backend="ncclep", moe_expert_rank_capacity_factor=1.5,
+    )  # fmt: skip
+    result = planner.plan(cfg)
+    assert result["totals"]["buffers_outside_allocator"] == 1_779_433_512
+    assert result["totals"]["buffers_released"] == 1_779_433_832
+    # The retained state is not modelled for this backend: said, not priced as 0.
+    assert result["totals"]["retained_per_layer_base"] is None
+    assert "not modelled" in planner.format_plan(result)
+    with pytest.raises(ValueError, match="capacity_factor: must be positive"):
+        planner.MoEMemoryConfig(**{**vars(cfg), "moe_expert_rank_capacity_factor": -1.0})
+
+
+@pytest.mark.parametrize(
+    "ranks,experts,tokens,topk,hidden,factor,zero_copy",
+    [(2, 8, 64, 2, 64, 2.0, False), (2, 8, 64, 2, 64, 2.0, True), (4, 16, 100, 4, 128, 1.0,
+     False), (8, 256, 4096, 8, 7168, 1.5, True)],
+)  # fmt: skip
+def test_planner_and_emulations_size_the_new_backends_alike(
+    ranks, experts, tokens, topk, hidden, factor, zero_copy
+):
+    """The planner's DeepEP v2 and NCCL EP terms and the CPU runtime's emulations were each
+    written from the kernels' source, separately: they agree (each emulation's sizes are also
+    worked by hand in test_deepep_v2_emulation and test_te_ep_emulation)."""
+    from cpu_runtime import deepep_v2_emulation as v2
+    from cpu_runtime import te_ep_emulation as te
+
+    data = v2.buffer_size_hint(ranks, tokens, hidden, topk)
+    terms = _names(planner.deepep_v2_buffer_terms(ranks, tokens, hidden, topk))
+    assert terms["symmetric window: data buffer"] == data
+    assert terms["symmetric window: workspace"] == v2.WORKSPACE_BYTES
+    m, mr = planner.nccl_ep_capacity(tokens, topk, factor)
+    want = te.context_bytes(ranks, experts, m, mr, hidden, zero_copy)
+    got = planner.nccl_ep_terms(ranks, experts, m, mr, hidden, zero_copy)
+    zc = 2 * mr * 2 * hidden if zero_copy else 0  # megatron's buffers, not the context's
+    assert planner.total(got, planner.OUTSIDE) == want["device"] + zc
+    assert planner.total(got, planner.HOST) == want["pinned"]
 
 
 def test_emulation_allocates_the_planner_terms(monkeypatch):
