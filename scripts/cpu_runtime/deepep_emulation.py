@@ -112,6 +112,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from cpu_runtime import placement
 from cpu_runtime.emulation_common import (
     EventOverlap,
     all_to_all,
@@ -131,6 +132,10 @@ from cpu_runtime.emulation_common import (
 
 # The DeepEP commit the tables above were read from.
 DEEP_EP_SOURCE_COMMIT = "94a9f8f6b146c07d97ec58f67cd6d303296d6098"
+# csrc/kernels/configs.cuh:3-6 at that commit.
+NUM_MAX_NVL_PEERS = 8
+NUM_WORKSPACE_BYTES = 32 * 1024 * 1024
+NUM_MAX_LOCAL_EXPERTS = 1024
 
 
 class Config:
@@ -154,8 +159,8 @@ class Config:
         return memory_planner().deepep_rdma_bytes(hidden_bytes, num_ranks, self.num_sms, send, recv)
 
 
-# Buffers built with explicitly_destroy that were never destroyed: deep_ep leaks them, so their
-# bytes stay allocated here too.
+# Buffers built with explicitly_destroy that were never destroyed, and the RDMA receive counter
+# of every destroyed one: deep_ep leaks them, so their bytes stay allocated here too.
 LEAKED_BUFFERS: List[torch.Tensor] = []
 
 
@@ -199,8 +204,9 @@ class Buffer:
     The real NVLink/RDMA buffers live outside PyTorch's allocator; the emulation allocates
     what the real one does for the ``num_nvl_bytes`` and ``num_rdma_bytes`` megatron-core's
     ``get_buffer`` asks (sized by the :class:`Config` hints): the NVLink buffer with its
-    barrier signals and pointers, the 32 MiB workspace and the RDMA buffer (the memory
-    planner's DeepEP terms), as one tensor (``memory``), so allocator counts see them.
+    barrier signals and pointers, the 32 MiB workspace and the RDMA buffer as one tensor
+    (``memory``), and the pinned receive counters, so allocator counts see them; sized from
+    deep_ep's constructor (``csrc/deep_ep.cpp:145-206``), the hints from :class:`Config`.
     """
 
     num_sms: int = 20
@@ -231,13 +237,32 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         # The C++ runtime; destroy() sets it to None, as the real one does (buffer.py:143).
         self.runtime = _EmulatedRuntime()
-        # One allocation for the NVLink buffer with its barrier signals and pointers, the 32 MiB
-        # workspace, and the RDMA buffer (deep_ep.cpp:145-188, 341-356; the planner's terms).
-        planner = memory_planner()
-        device_bytes = num_nvl_bytes + planner.DEEPEP_NVL_META + planner.DEEPEP_WORKSPACE
+        # One allocation for the NVLink buffer with its barrier signals and pointers
+        # (NUM_MAX_NVL_PEERS x (int + void* + int*), deep_ep.cpp:145-147,171-174), the 32 MiB
+        # workspace (NUM_WORKSPACE_BYTES, kernels/configs.cuh:5; deep_ep.cpp:187) and the RDMA
+        # buffer (deep_ep.cpp:341-356).
+        nvl_meta = NUM_MAX_NVL_PEERS * (4 + 8 + 8) if num_nvl_bytes else 0
         self.memory = torch.empty(
-            device_bytes + num_rdma_bytes, dtype=torch.uint8, device=buffer_device()
+            num_nvl_bytes + nvl_meta + NUM_WORKSPACE_BYTES + num_rdma_bytes,
+            dtype=torch.uint8,
+            device=buffer_device(),
         )
+        # The mapped pinned receive counters (cudaMallocHost, deep_ep.cpp:191-206): the token
+        # counter (int64), one per local expert (int x NUM_MAX_LOCAL_EXPERTS) and the RDMA
+        # counter (int). destroy() frees the first two only (deep_ep.cpp:299-304).
+        # Page-locked where CUDA or the placement rules are there (pinning needs a driver).
+        pin = torch.cuda.is_available() or placement.active()
+        self.host_counters = torch.empty(
+            8 + 4 * NUM_MAX_LOCAL_EXPERTS, dtype=torch.uint8, device="cpu", pin_memory=pin
+        )
+        self.rdma_counter = torch.empty(4, dtype=torch.uint8, device="cpu", pin_memory=pin)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes ``destroy()`` frees: device memory and the freed pinned counters."""
+        if self.memory is None:
+            return 0
+        return self.memory.nbytes + self.host_counters.nbytes
 
     def destroy(self) -> None:
         """``Buffer.destroy()`` (94a9f8f ``deep_ep/buffer.py:135-144``, C++ ``Buffer::destroy``
@@ -247,7 +272,8 @@ class Buffer:
         assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
         self.runtime.destroy(self.group)
         self.runtime = None
-        self.memory = None
+        self.memory = self.host_counters = None
+        LEAKED_BUFFERS.append(self.rdma_counter)  # never freed (deep_ep.cpp:299-304)
 
     def _check_runtime(self) -> None:
         # The real methods call self.runtime.<kernel>(...), which fails once destroy() has run.
@@ -263,7 +289,9 @@ class Buffer:
                 "leak resources.",
                 file=sys.stderr,
             )
-            LEAKED_BUFFERS.append(self.memory)
+            LEAKED_BUFFERS.extend((self.memory, self.host_counters, self.rdma_counter))
+        elif getattr(self, "runtime", None) is not None:  # ~Buffer calls destroy()
+            LEAKED_BUFFERS.append(self.rdma_counter)
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
