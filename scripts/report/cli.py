@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from patchtool.trees import ensure_trees
-from report import buffer_section, overlap_section
+from report import buffer_section, colocated_section, overlap_section
 from report.runtime import (
     CPU,
     ReportError,
@@ -331,6 +331,7 @@ def table(report: Dict[str, Any]) -> str:
         lines.append(overlap_section.table(report["overlap"]))
     for section in report.get("overlap_more", {}).values():
         lines.append(overlap_section.table(section))
+    lines += colocated_section.lines(report.get("colocated"), report["versions"]["patched"])
     lines += ["", "targets:"] + [f"  {k}: {v}" for k, v in report["targets"].items()]
     return "\n".join(lines)
 
@@ -610,6 +611,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         "minutes)",
     )
     parser.add_argument(
+        "--no-colocated",
+        action="store_true",
+        help="skip the colocated-RL section (every comm buffer released between two steps, per "
+        "flex backend; CPU runtime only)",
+    )
+    parser.add_argument(
         "--device",
         default="auto",
         choices=("auto", "cpu", "cuda"),
@@ -690,6 +697,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             report["overlap_more"] = {
                 v: overlap_section.measure(base, patched, cfg, log=log, variant=v) for v in more
             }
+    if not (args.no_colocated or args.record_golden) and runtime.device == "cpu":
+        # Measured by the counted CPU allocator, so the CPU runtime only.
+        report["colocated"] = colocated_section.measure(patched, log)
     report["targets"] = targets(report)
     report["wall_s"] = round(time.monotonic() - started, 1)
     out = Path(args.out)
@@ -711,4 +721,5 @@ def main(argv: Optional[List[str]] = None) -> int:
         report.get("overlap_more", {}).values()
     )
     overlap_ok = all(overlap_section.bitwise_ok(s) for s in sections)
-    return 0 if report["bitwise"]["all"] and overlap_ok else 1
+    colocated_ok = all(r is None or r["bitwise"] for r in report.get("colocated", {}).values())
+    return 0 if report["bitwise"]["all"] and overlap_ok and colocated_ok else 1

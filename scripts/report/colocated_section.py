@@ -1,0 +1,193 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""The memory report's colocated-RL rows: what ``reset_fused_a2a_buffers()`` frees on each
+flex backend between two training steps, beside the memory planner's prediction.
+
+Colocated RL frameworks (vLLM's sleep mode, verl) free NCCL communicator memory between
+training and rollout and keep the MoE all-to-all buffers resident. The loop measured here is
+theirs with the buffers released: a training step of megatron-core's real MoELayer (EP=2, CPU
+gloo ranks, the backend's kernels emulated), every communication buffer released, a rollout
+allocating exactly the bytes that freed, then the next training step, which re-creates the
+buffers; the same two steps without the release give the reference it must equal bitwise.
+
+DeepEP v2's and NCCL EP's emulations size their buffers from the kernels' source, so their
+rows check the planner; HybridEP's emulation and DeepEP's byte hints still come from the
+planner's own terms, so those two rows cannot disagree with it.
+"""
+
+import gc
+from typing import Any, Callable, Dict, List, Optional
+
+TOKENS = 12
+EP = 2
+BACKENDS = ("hybridep", "deepep", "deepepv2", "ncclep")
+# Whose sizes the emulation derives without the planner (see the module docstring).
+INDEPENDENT = {"hybridep": False, "deepep": False, "deepepv2": True, "ncclep": True}
+
+
+def model_kwargs(backend: str) -> Dict[str, Any]:
+    """What the backend's kernels take: bf16 payloads for DeepEP v2 and NCCL EP, hidden 256 for
+    DeepEP v2's combine (a multiple of 256), and a receive capacity where the tree's NCCL EP
+    manager has no eager mode (its config still has ``moe_ncclep_static_shape``)."""
+    import dataclasses
+
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if backend not in ("deepepv2", "ncclep"):
+        return {}
+    out: Dict[str, Any] = {"dtype": torch.bfloat16}
+    if backend == "deepepv2":
+        out["hidden"] = 256
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    if backend == "ncclep" and "moe_ncclep_static_shape" in fields:
+        out["moe_expert_rank_capacity_factor"] = 2.0
+    return out
+
+
+def predicted_bytes(config, tokens: int, ep: int) -> int:
+    """What the tree's memory planner says a release of ``config``'s buffers gives back."""
+    from megatron.core.transformer.moe import moe_memory_planner as planner
+
+    cfg = planner.MoEMemoryConfig(
+        hidden_size=config.hidden_size,
+        num_moe_experts=config.num_moe_experts,
+        moe_router_topk=config.moe_router_topk,
+        num_layers=1,
+        expert_model_parallel_size=ep,
+        moe_token_dispatcher_type="flex",
+        moe_flex_dispatcher_backend=config.moe_flex_dispatcher_backend,
+        moe_expert_rank_capacity_factor=config.moe_expert_rank_capacity_factor,
+        bf16=config.bf16,
+        tokens_per_rank=tokens,
+    )
+    return planner.released_bytes(planner.buffer_terms(cfg))
+
+
+def _step(layer, tokens: int, seed: int) -> Dict[str, Any]:
+    """Forward, backward and an SGD update of ``layer``; its output and gradients."""
+    import torch
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(seed)
+    xs = torch.randn(world, tokens, layer.config.hidden_size, generator=gen)
+    x = xs[rank].to(layer.config.params_dtype).view(tokens, 1, -1).requires_grad_()
+    y, _ = layer(x)
+    y.float().pow(2).sum().backward()
+    out = {"y": y.detach().clone(), "x_grad": x.grad.clone(), "grads": {}}
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if p.grad is not None:
+                out["grads"][name] = p.grad.clone()
+                p -= 0.01 * p.grad.to(p.dtype)
+            p.grad = None
+    return out
+
+
+def rank_loop(backend: str, release: bool, tokens: int = TOKENS) -> Dict[str, Any]:
+    """Rank side: a training step, (every comm buffer released, a rollout allocating what that
+    freed), the next training step. CPU runtime only: the counted allocator measures."""
+    import torch
+    import torch.distributed as dist
+
+    from cpu_runtime import cpu_memory
+    from cpu_runtime.moe_harness import build_moe_layer, init_megatron, moe_config
+    from megatron.core.transformer.moe import fused_a2a
+
+    cpu_memory.install()
+    ep = dist.get_world_size()
+    init_megatron(ep=ep)
+    config = moe_config(backend, ep, **model_kwargs(backend))
+    layer = build_moe_layer(config)
+    layer.train()
+    out: Dict[str, Any] = {"first": _step(layer, tokens, 3)}
+    if release:
+        gc.collect()
+        before = cpu_memory.settled()
+        fused_a2a.reset_fused_a2a_buffers()
+        gc.collect()
+        freed = before - cpu_memory.settled()
+        cpu_memory.reset_peak_memory_stats()
+        rollout = torch.ones(max(freed, 0), dtype=torch.uint8)
+        # The rollout fits where the buffers were: the process stays at the training level.
+        out["rollout_over_training"] = cpu_memory.max_memory_allocated() - before
+        del rollout
+        out.update(freed=freed, predicted=predicted_bytes(config, tokens, ep))
+    out["second"] = _step(layer, tokens, 4)
+    return out
+
+
+def steps_equal(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+    """Whether two steps' outputs and gradients are bitwise equal (and there are gradients)."""
+    import torch
+
+    if a["grads"].keys() != b["grads"].keys() or not a["grads"]:
+        return False
+    return (
+        torch.equal(a["y"], b["y"])
+        and torch.equal(a["x_grad"], b["x_grad"])
+        and all(torch.equal(a["grads"][n], b["grads"][n]) for n in a["grads"])
+    )
+
+
+def measure_backend(run: Callable[..., List[Any]], tree: str, backend: str) -> Dict[str, Any]:
+    """One backend's row: per rank what the release freed, the planner's figure, the rollout's
+    peak over the training level, and whether both steps equal the run without release.
+    ``run(target, world, tree, **kwargs)`` runs the ranks (the launcher, or a test's cache)."""
+    target = f"{__name__}:rank_loop"
+    kept = run(target, EP, tree, backend=backend, release=False)
+    freed = run(target, EP, tree, backend=backend, release=True)
+    return {
+        "freed": [r["freed"] for r in freed],
+        "predicted": [r["predicted"] for r in freed],
+        "rollout_over_training": [r["rollout_over_training"] for r in freed],
+        "bitwise": all(
+            steps_equal(k["first"], r["first"]) and steps_equal(k["second"], r["second"])
+            for k, r in zip(kept, freed)
+        ),
+        "independent": INDEPENDENT[backend],
+    }
+
+
+def measure(tree: str, log: Callable[[str], None] = print, run=None) -> Dict[str, Any]:
+    """Every backend's row on the patched ``tree``; None for a backend the tree lacks."""
+    from patchtool.trees import flex_backends
+
+    if run is None:
+        from cpu_runtime.launcher import run_distributed
+
+        def run(target, world, tree, **kwargs):
+            return run_distributed(target, world, tree, kwargs, timeout=300)
+
+    has = flex_backends(tree)
+    out: Dict[str, Optional[Dict[str, Any]]] = {}
+    for backend in BACKENDS:
+        if backend in has:
+            log(f"colocated RL: {backend}")
+            out[backend] = measure_backend(run, tree, backend)
+        else:
+            out[backend] = None
+    return out
+
+
+def lines(section: Optional[Dict[str, Any]], version: str = "") -> List[str]:
+    """The rows: per backend, rank 0's bytes freed by the release and the planner's figure."""
+    if not section:
+        return []
+    out = [
+        "",
+        f"colocated RL: a training step, every comm buffer released, a rollout in the freed bytes,"
+        f" the next step (MoELayer, EP={EP}, {TOKENS} tokens/rank, CPU runtime)",
+        f"{'backend':14}{'freed (rank 0)':>16}{'planner':>16}{'next step':>12}  planner checked",
+    ]
+    for backend, row in section.items():
+        if row is None:
+            out.append(f"{backend:14}{'n/a':>16}{'':>16}{'':>12}  not on {version or 'this tree'}")
+            continue
+        same = "bitwise" if row["bitwise"] else "DIFFERS"
+        checked = "yes" if row["independent"] else "no (emulation sized by the planner)"
+        out.append(
+            f"{backend:14}{row['freed'][0]:>16,}{row['predicted'][0]:>16,}{same:>12}  {checked}"
+        )
+    return out
