@@ -16,6 +16,7 @@ NCCL needs one GPU per rank).
 
 import atexit
 import faulthandler
+import gc
 import os
 import pickle
 import signal
@@ -394,6 +395,10 @@ def _rank_main(job: Path) -> int:
             rank=rank,
             world_size=int(os.environ["WORLD_SIZE"]),
         )
+        # Every job starts with the collector's counts at zero: a forked rank inherits the
+        # zygote's, which depend on what the zygote did before, and the moment a cyclic
+        # collection frees an autograd graph moves allocator peaks between runs of one job.
+        gc.collect()
         try:
             result = func(**spec["kwargs"])
         finally:
