@@ -390,13 +390,14 @@ def install_dtoh_stream_cpu_shim() -> bool:
 
 
 def held_comm_buffers(fused_a2a) -> list:
-    """fused_a2a's HybridEP and DeepEP buffers on any tree: one per process group where the
-    series keys them (``_hybrid_ep_buffers``), the single module global on the base; DeepEP
+    """fused_a2a's HybridEP and DeepEP buffers on any tree, each once: one per process group
+    where the series keys them (``_hybrid_ep_buffers``, beside the module global
+    ``_hybrid_ep_buffer`` naming one of them), the single module global on the base; DeepEP
     v2's ``_elastic_buffer`` where the tree has it (dev)."""
     hybrid = list(getattr(fused_a2a, "_hybrid_ep_buffers", {}).values())
     hybrid.append(getattr(fused_a2a, "_hybrid_ep_buffer", None))
     held = (*hybrid, fused_a2a._buffer, getattr(fused_a2a, "_elastic_buffer", None))
-    return [b for b in held if b is not None]
+    return list({id(b): b for b in held if b is not None}.values())
 
 
 def teardown_megatron_state() -> None:

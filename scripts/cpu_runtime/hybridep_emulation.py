@@ -118,6 +118,7 @@ live and die with the buffer object.
 
 import os
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import List, Optional, Tuple
 
 import torch
@@ -191,6 +192,13 @@ class HybridEPConfig:
     rows_used: int = 0
 
 
+@dataclass(frozen=True)
+class _BufferConfig:
+    """The field of ``hybrid_ep_cpp.BufferConfig`` (``config.cuh:67``) megatron's callers read."""
+
+    max_num_of_tokens_per_rank: int
+
+
 class HybridEPBuffer:
     """Emulation of ``deep_ep.HybridEPBuffer`` (permute + all-to-all + permute).
 
@@ -246,6 +254,15 @@ class HybridEPBuffer:
         # (config.cuh:384-387); later calls grow them (_grow).
         self.rows = memory_planner().hybridep_rows(max_num_of_tokens_per_rank)
         self._allocate()
+
+    @property
+    def configurer(self) -> SimpleNamespace:
+        """The buffer's ``Configurer`` as Python code reads it (``hybrid_ep_buffer.py:85-99``):
+        only ``buffer_config.max_num_of_tokens_per_rank``, the rows per rank the buffer holds
+        (the constructor's tokens, at least 512, rounded, ``config.cuh:385-387``; grown by
+        ``update_template_config``, ``hybrid_ep_buffer.py:141-147``). Assigning the field raises:
+        the emulation does not model it, and megatron-core never assigns it."""
+        return SimpleNamespace(buffer_config=_BufferConfig(max_num_of_tokens_per_rank=self.rows))
 
     def _allocate(self) -> None:
         self.nbytes = hybrid_ep_buffer_bytes(

@@ -8,7 +8,9 @@ The HybridEP and DeepEP buffers are module globals allocated outside PyTorch's c
 allocator, so torch.cuda.empty_cache() cannot return their memory:
 
 * HybridEP keeps one buffer per process group, and every backward runs on its forward's buffer,
-  so two models on different EP groups (an RL policy and its reference model) can interleave.
+  so two models on different EP groups (an RL policy and its reference model) can interleave;
+  the module global _hybrid_ep_buffer still names the first group's, as code outside
+  megatron-core expects.
 * reset_fused_a2a_buffers() drops them (destroy_model_parallel() calls it): after a barrier on
   every buffer's group, and not while a CUDA graph that captured a dispatch may still replay
   (unless graphs_released=True); the next dispatch re-creates the buffer it needs and gives the
@@ -321,6 +323,36 @@ class TestFusedA2ACommBuffers:
         assert set(buffers) == groups, (
             f"{len(buffers)} HybridEP buffers, not one for each of the two layers' groups"
         )
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+    @pytest.mark.internal
+    def test_hybridep_module_global_is_what_dispatches_use(self, monkeypatch):
+        """fused_a2a._hybrid_ep_buffer, which code outside megatron-core reads and test
+        fixtures save and restore: None before a dispatch, then the buffer the dispatch ran on;
+        set to None, the next dispatch allocates a buffer and the global names it; restored,
+        the saved buffer is the one the next dispatch runs on."""
+        _skip_unless("hybridep")
+        used = []
+
+        class RecordingBuffer(fused_a2a.HybridEPBuffer):
+            def dispatch_with_permute(self, *args, **kwargs):
+                used.append(self)
+                return super().dispatch_with_permute(*args, **kwargs)
+
+        monkeypatch.setattr(fused_a2a, "HybridEPBuffer", RecordingBuffer)
+        Utils.initialize_model_parallel(expert_model_parallel_size=8)
+        _release_buffers()
+        assert fused_a2a._hybrid_ep_buffer is None
+        layer = _build_moe_layer("hybridep")
+        _forward_backward(layer, _make_input())
+        saved = fused_a2a._hybrid_ep_buffer
+        assert saved is not None and saved is used[-1]
+        monkeypatch.setattr(fused_a2a, "_hybrid_ep_buffer", None)
+        _forward_backward(layer, _make_input())
+        assert used[-1] is not saved and fused_a2a._hybrid_ep_buffer is used[-1]
+        fused_a2a._hybrid_ep_buffer = saved
+        _forward_backward(layer, _make_input())
+        assert used[-1] is saved
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
