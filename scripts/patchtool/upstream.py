@@ -74,7 +74,11 @@ OVERLAY_PARAGRAPH = "moe-release: "
 # The CPU-import fix's subject, as the primary series and (inside `cp: `...``) the backports
 # spell it.
 CPU_IMPORT_TITLE = "et the MoE dispatcher path import and build without CUDA"
-PLACEHOLDER_EMAILS = ("maintainers@moe-release.invalid",)
+# Domains reserved for documentation and testing (RFC 2606, RFC 6761): no mail is delivered
+# there, so a sign-off with such an address certifies nothing. Top-level labels, and second-level
+# domains (with their subdomains).
+RESERVED_TLDS = ("invalid", "example", "test", "localhost")
+RESERVED_DOMAINS = ("example.com", "example.net", "example.org")
 # Upstream's dev branch titles its PRs "[Dev] ..."; the variant's series keeps the primary's
 # subjects (its file names come from them), the export adds the prefix.
 DEV_PREFIX = {"dev": "[Dev] "}
@@ -84,20 +88,40 @@ UPSTREAM_FILES_DIR = "patches/upstream"
 UPSTREAM_TESTS_MESSAGE = "patches/upstream/tests-message.txt"
 
 
+def is_placeholder_email(email: str) -> bool:
+    """Whether ``email`` is in a domain reserved for documentation or testing (RFC 2606,
+    RFC 6761: ``.invalid``, ``.example``, ``.test``, ``.localhost``, ``example.com/.net/.org``),
+    or has no domain at all."""
+    domain = email.rpartition("@")[2].strip().rstrip(".>").lower()
+    if "@" not in email or "." not in domain:
+        return True
+    if domain.rsplit(".", 1)[-1] in RESERVED_TLDS:
+        return True
+    return any(domain == d or domain.endswith("." + d) for d in RESERVED_DOMAINS)
+
+
 def identity(repo: Path = REPO_ROOT) -> tuple[str, str]:
-    """The exporter's git identity (user.name, user.email); refuses an unset or placeholder one,
-    naming the fix."""
-
-    def get(key: str) -> str:
-        done = subprocess.run(["git", "-C", str(repo), "config", key], capture_output=True)
-        return done.stdout.decode().strip() if done.returncode == 0 else ""
-
-    name, email = get("user.name"), get("user.email")
-    fix = 'set yours: git config user.name "Your Name" && git config user.email you@example.com'
-    if not name or not email:
+    """The identity git signs off with (``git commit -s`` and ``format-patch -s`` sign as the
+    committer): ``GIT_COMMITTER_NAME``/``GIT_COMMITTER_EMAIL`` first, then the ``committer.*``
+    and ``user.*`` config, as ``git var GIT_COMMITTER_IDENT`` resolves them, without git's
+    guess from the host name. Refuses none, or a placeholder address, naming the fix."""
+    fix = (
+        'set yours: git config user.name "Your Name" && git config user.email you@your.domain '
+        "(or GIT_COMMITTER_NAME/GIT_COMMITTER_EMAIL)"
+    )
+    done = subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.useConfigOnly=true", "var", "GIT_COMMITTER_IDENT"],
+        capture_output=True,
+    )
+    match = re.match(r"^(.*?) <(.*)> \d+ [+-]\d{4}$", done.stdout.decode().strip())
+    if done.returncode != 0 or match is None or not match.group(1) or not match.group(2):
         raise UserError(f"no git identity to sign off with (user.name/user.email unset); {fix}")
-    if email in PLACEHOLDER_EMAILS or email.endswith(".invalid"):
-        raise UserError(f"{email} is a placeholder, which the DCO cannot accept; {fix}")
+    name, email = match.group(1), match.group(2)
+    if is_placeholder_email(email):
+        raise UserError(
+            f"{email} is a placeholder (a domain reserved by RFC 2606/6761), which the DCO "
+            f"cannot accept; {fix}"
+        )
     return name, email
 
 

@@ -20,6 +20,7 @@ from patchtool.upstream import (
     export_test_files,
     export_upstream,
     identity,
+    is_placeholder_email,
     target_series,
     topic_series,
     upstream_message,
@@ -27,7 +28,7 @@ from patchtool.upstream import (
     upstream_test_files,
 )
 
-IDENT = ("Ada Lovelace", "ada@example.com")
+IDENT = ("Ada Lovelace", "ada.lovelace@users.noreply.github.com")
 
 
 def _git(cwd: Path, *args: str) -> None:
@@ -46,11 +47,23 @@ def isolated_git(monkeypatch):
     "email,message",
     [
         (None, "no git identity to sign off with"),
-        ("maintainers@moe-release.invalid", "is a placeholder, which the DCO cannot accept"),
+        (
+            "maintainers@moe-release.invalid",
+            r"is a placeholder \(a domain reserved by RFC 2606/6761\), which the DCO cannot accept",
+        ),
         ("someone@host.invalid", "is a placeholder"),
+        ("maintainers@users.noreply.a-seed-50509c1d.example", "is a placeholder"),
+        ("ci@runner.test", "is a placeholder"),
+        ("me@box.localhost", "is a placeholder"),
+        ("you@example.com", "is a placeholder"),
+        ("you@mail.Example.ORG", "is a placeholder"),
+        ("you@example.net", "is a placeholder"),
+        ("root@localhost", "is a placeholder"),
     ],
 )
-def test_identity_refuses_unset_or_placeholder(tmp_path, isolated_git, email, message):
+def test_identity_refuses_unset_or_placeholder(tmp_path, isolated_git, monkeypatch, email, message):
+    for var in ("GIT_COMMITTER_NAME", "GIT_COMMITTER_EMAIL", "GIT_AUTHOR_NAME", "EMAIL"):
+        monkeypatch.delenv(var, raising=False)
     _git(tmp_path, "init", "-q")
     if email:
         _git(tmp_path, "config", "user.name", "Somebody")
@@ -60,11 +73,39 @@ def test_identity_refuses_unset_or_placeholder(tmp_path, isolated_git, email, me
     assert "git config user.name" in str(exc.value)  # names the fix
 
 
-def test_identity_is_the_exporters(tmp_path, isolated_git):
+def test_identity_is_the_exporters(tmp_path, isolated_git, monkeypatch):
+    for var in ("GIT_COMMITTER_NAME", "GIT_COMMITTER_EMAIL"):
+        monkeypatch.delenv(var, raising=False)
     _git(tmp_path, "init", "-q")
     _git(tmp_path, "config", "user.name", IDENT[0])
     _git(tmp_path, "config", "user.email", IDENT[1])
     assert identity(tmp_path) == IDENT
+    assert not is_placeholder_email("dev@example.community")  # only the reserved names
+
+
+def test_identity_resolves_as_git_does(tmp_path, isolated_git, monkeypatch):
+    """GIT_COMMITTER_NAME/GIT_COMMITTER_EMAIL before the config (git signs off as the
+    committer), committer.* before user.*, and nothing guessed from the host."""
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "config", "user.name", "Config Name")
+    _git(tmp_path, "config", "user.email", "config@users.noreply.github.com")
+    monkeypatch.setenv("GIT_COMMITTER_NAME", IDENT[0])
+    monkeypatch.setenv("GIT_COMMITTER_EMAIL", IDENT[1])
+    assert identity(tmp_path) == IDENT
+    monkeypatch.setenv("GIT_COMMITTER_EMAIL", "ci@runner.test")
+    with pytest.raises(UserError, match="ci@runner.test is a placeholder"):
+        identity(tmp_path)
+    monkeypatch.delenv("GIT_COMMITTER_NAME")
+    monkeypatch.delenv("GIT_COMMITTER_EMAIL")
+    _git(tmp_path, "config", "committer.email", "committer@users.noreply.github.com")
+    assert identity(tmp_path) == ("Config Name", "committer@users.noreply.github.com")
+    # Environment only, no config: what git would sign with.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    _git(bare, "init", "-q")
+    monkeypatch.setenv("GIT_COMMITTER_NAME", IDENT[0])
+    monkeypatch.setenv("GIT_COMMITTER_EMAIL", IDENT[1])
+    assert identity(bare) == IDENT
 
 
 @pytest.mark.parametrize(
@@ -167,11 +208,13 @@ def test_export_strips_overlay_trailers_and_signs_off(tmp_path, base, topic):
     for path, (name, data) in zip(paths, series):
         text = path.read_text()
         assert f"Subject: [PATCH {paths.index(path) + 1}/{total}] fix(moe): " in text
-        assert "From: Ada Lovelace <ada@example.com>" in text
+        assert "From: Ada Lovelace <ada.lovelace@users.noreply.github.com>" in text
         message = text.split("\n---\n", 1)[0]
         assert "Forwarded:" not in message and "Origin:" not in message
         assert "moe-release.invalid" not in message
-        assert message.rstrip().endswith("Signed-off-by: Ada Lovelace <ada@example.com>")
+        assert message.rstrip().endswith(
+            "Signed-off-by: Ada Lovelace <ada.lovelace@users.noreply.github.com>"
+        )
         # The diff is the series' own, byte for byte.
         assert text.encode().endswith(data[data.index(b"\ndiff --git ") + 1 :])
         assert upstream_message(parse_patch(data, name), *IDENT) in text
@@ -185,7 +228,9 @@ def test_memory_export_adds_the_upstream_layout_tests(tmp_path, base):
     total = len(paths)
     assert f"Subject: [PATCH {total}/{total}] test(moe): " in text
     message = text.split("\n---\n", 1)[0]
-    assert message.rstrip().endswith("Signed-off-by: Ada Lovelace <ada@example.com>")
+    assert message.rstrip().endswith(
+        "Signed-off-by: Ada Lovelace <ada.lovelace@users.noreply.github.com>"
+    )
     files = upstream_test_files()
     assert "tests/unit_tests/transformer/moe/test_token_dispatcher_state_release.py" in files
     applied = tmp_path / "applied"
