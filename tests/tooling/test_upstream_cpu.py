@@ -444,10 +444,9 @@ def test_upstream_moe_tests_on_a_snapshot_with_and_without_the_series(tmp_path):
     base = run_harness(checkout, tmp_path / "base.json", f"{MOE}/test_a2a_token_dispatcher.py")
 
     export = tmp_path / "export"
-    env = dict(os.environ, GIT_CONFIG_GLOBAL=str(tmp_path / "gitconfig"))
-    subprocess.run(["git", "config", "--global", "user.name", "Test"], env=env, check=True)
-    subprocess.run(
-        ["git", "config", "--global", "user.email", "test@example.com"], env=env, check=True
+    # The exporter's identity as git reads it first (whatever this clone's config says).
+    env = dict(
+        os.environ, GIT_COMMITTER_NAME="Test", GIT_COMMITTER_EMAIL="test@users.noreply.github.com"
     )
     subprocess.run(
         [sys.executable, str(REPO_ROOT / "scripts" / "moe_release.py"), "upstream"]
