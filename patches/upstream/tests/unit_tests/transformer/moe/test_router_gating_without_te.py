@@ -24,9 +24,12 @@ TE_EXTENSIONS = "megatron.core.extensions.transformer_engine"
 @pytest.fixture
 def without_transformer_engine(monkeypatch):
     """megatron's Transformer Engine extensions unimportable and moe_utils dropped;
-    sys.modules restored afterwards."""
+    sys.modules and the package's moe_utils attribute restored afterwards."""
     importlib.import_module(MOE_UTILS)
     saved = dict(sys.modules)
+    # The package attribute too (an import binds it): restored by undo, as sys.modules is.
+    package = sys.modules["megatron.core.transformer.moe"]
+    monkeypatch.setattr(package, "moe_utils", package.moe_utils)
     monkeypatch.delitem(sys.modules, MOE_UTILS)
     monkeypatch.setitem(sys.modules, TE_EXTENSIONS, None)
     yield
