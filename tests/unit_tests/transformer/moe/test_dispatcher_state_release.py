@@ -66,6 +66,17 @@ SLOW_CONFIGS = {
 }
 
 
+def _tree_source_has(module: str, text: str) -> bool:
+    """Whether the tree under test's ``megatron/core/transformer/moe/<module>`` contains
+    ``text`` (what a variant needs only some trees have)."""
+    path = os.path.join(PATCHED_TREE or "", "megatron", "core", "transformer", "moe", module)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return text in f.read()
+    except OSError:
+        return False
+
+
 def _params(configs, slow=SLOW_CONFIGS, tp=False):
     """pytest params of (dispatcher, backend, EP[, variant]) tuples: readable ids, and the slow
     marker on those in ``slow``."""
@@ -150,6 +161,12 @@ def _build_layers(dispatcher, backend, ep, num_layers=NUM_LAYERS, recompute="non
         kwargs.update(moe_expert_capacity_factor=2.0, moe_pad_expert_input_to_capacity=True)
     kwargs.update(_backend_model(backend if dispatcher == "flex" else None))
     kwargs.update(extra)
+    if isinstance(kwargs.get("params_dtype"), str):  # variants are plain data (pickled to ranks)
+        kwargs["params_dtype"] = getattr(torch, kwargs["params_dtype"])
+    if isinstance(kwargs.get("attention_backend"), str):
+        from megatron.core.transformer.enums import AttnBackend
+
+        kwargs["attention_backend"] = AttnBackend[kwargs["attention_backend"]]
     config = TransformerConfig(**kwargs)
     submodules = _local_moe_submodules()
     torch.manual_seed(4321)
@@ -333,6 +350,18 @@ VARIANTS = {
     "drop_and_pad": dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
     # Token dropping without padding (DeepEP does not pad to capacity in 0.19.2).
     "capacity": dict(moe_expert_capacity_factor=1.0),
+    # main's batch-invariant permutation: the all-to-all keeps an inverse map for its combine.
+    # The config's checks of the rest of the model (bf16, FlashAttention 3, a GEMM backend
+    # without DeepGEMM) are met; an MoE layer alone runs no attention.
+    "batch_invariant": dict(
+        batch_invariant_mode=True,
+        batch_invariant_backend="te_native",
+        bf16=True,
+        params_dtype="bfloat16",
+        attention_backend="flash",
+        attention_dropout=0.0,
+        flash_attention_version=3,
+    ),
 }
 
 
@@ -848,6 +877,8 @@ VARIANT_CONFIGS = [
     ("flex", "deepep", 2, "capacity"),
     ("alltoall", "dropless", 2, "capacity"),
 ]
+if _tree_source_has("token_dispatcher.py", "batch_invariant_inverse_permutation_mapping"):
+    VARIANT_CONFIGS.append(("alltoall", "dropless", 2, "batch_invariant"))  # main
 
 
 def _kept_bytes(dispatcher, backend, ep, variant):
@@ -866,6 +897,7 @@ DEFAULT_VARIANTS = {
     ("alltoall", "dropless", 2, "shared_experts_overlap"),
     ("flex", "hybridep", 2, "drop_and_pad"),
     ("flex", "deepep", 2, "capacity"),
+    ("alltoall", "dropless", 2, "batch_invariant"),
 }
 
 
