@@ -106,7 +106,6 @@ leaves the buffer unusable; a flagged buffer dropped without it stays allocated 
 it) and the destructor's warning is printed.
 """
 
-import sys
 from typing import List, Optional, Tuple
 
 import torch
@@ -284,10 +283,10 @@ class Buffer:
         # C++ ~Buffer (csrc/deep_ep.cpp:209-216): with explicitly_destroy and no destroy(), the
         # resources are not released (it warns); the emulation keeps the bytes allocated.
         if getattr(self, "explicitly_destroy", False) and getattr(self, "runtime", None):
-            print(
+            print(  # printf to stdout, then fflush(stdout), as deep_ep.cpp:213-214
                 "WARNING: destroy() was not called before DeepEP buffer destruction, which can "
                 "leak resources.",
-                file=sys.stderr,
+                flush=True,
             )
             LEAKED_BUFFERS.extend((self.memory, self.host_counters, self.rdma_counter))
         elif getattr(self, "runtime", None) is not None:  # ~Buffer calls destroy()

@@ -450,3 +450,88 @@ def test_deep_ep_buffer_is_destroyed_explicitly(dist_job, patched_tree):
         # Device memory, the pinned counters and the RDMA counter: ~Buffer frees none of them.
         assert res["leaked"] == 3 and res["leaked_bytes"] == res["flagged_nbytes"] + 4 > 4096, res
         assert res["unknown_kwarg"] == "refused"
+
+
+DEEP_EP_WARNING = "destroy() was not called before DeepEP buffer destruction"
+
+
+def normal_exit_job() -> None:
+    """A training job as a script runs it: one MoE step on DeepEP, then return, and the
+    interpreter exits; no teardown call. Run as a fresh process per rank (the emulation and
+    placement rules installed as a rank does)."""
+    import os
+
+    from cpu_runtime import placement
+    from cpu_runtime.compat import install_kernel_emulations
+    from cpu_runtime.moe_harness import build_moe_layer, init_megatron, moe_config
+
+    install_kernel_emulations(os.environ["MOE_RELEASE_TREE"], False)
+    placement.install()
+    dist.init_process_group("gloo")
+    init_megatron(ep=dist.get_world_size())
+    layer = build_moe_layer(moe_config("deepep", dist.get_world_size()))
+    y, _ = layer(torch.randn(TOKENS, 1, layer.config.hidden_size).requires_grad_())
+    y.sum().backward()
+
+
+def test_a_normal_exit_prints_no_deep_ep_warning(patched_tree):
+    """DeepEP's ~Buffer prints its warning for a buffer built with explicitly_destroy and
+    never destroyed (csrc/deep_ep.cpp:209-216; the emulation prints it the same way, to
+    stdout): a job that returns and exits normally destroys its buffer at exit and prints
+    none. Two fresh rank processes, bounded, always reaped."""
+    import subprocess
+    import sys
+
+    from cpu_runtime.launcher import free_port, rank_env
+
+    port = free_port()
+    code = f"from {THIS} import normal_exit_job; normal_exit_job()"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=rank_env(patched_tree, rank, 2, port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for rank in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for rank, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {rank}: exit {p.returncode}\n{out[-3000:]}"
+        assert DEEP_EP_WARNING not in out, f"rank {rank}:\n{out[-3000:]}"
+
+
+def rank_exit_hook():
+    """The exit hook after an uncaught exception (sys.last_exc set, as the interpreter sets it
+    when it prints one) and after a normal run."""
+    import sys
+
+    from cpu_runtime.moe_harness import build_moe_layer, init_megatron, moe_config
+    from megatron.core.transformer.moe import fused_a2a
+
+    init_megatron(ep=dist.get_world_size())
+    layer = build_moe_layer(moe_config("deepep", dist.get_world_size()))
+    y, _ = layer(torch.randn(TOKENS, 1, layer.config.hidden_size).requires_grad_())
+    y.sum().backward()
+    buffer = fused_a2a._buffer
+    sys.last_exc = RuntimeError("the job failed")
+    try:
+        fused_a2a._destroy_deep_ep_buffer_at_exit()
+        kept = fused_a2a._buffer is buffer and buffer.runtime is not None
+    finally:
+        del sys.last_exc
+    fused_a2a._destroy_deep_ep_buffer_at_exit()
+    return {"kept_after_exception": kept, "destroyed": buffer.runtime is None}
+
+
+def test_the_exit_hook_destroys_nothing_after_an_uncaught_exception(dist_job, patched_tree):
+    """After an uncaught exception a peer may never reach destroy()'s barrier, so the hook
+    leaves the buffer (deep_ep then warns, as without the hook); after a normal run it
+    destroys it."""
+    for rank, out in enumerate(dist_job(f"{THIS}:rank_exit_hook", 2, patched_tree)):
+        assert out == {"kept_after_exception": True, "destroyed": True}, (rank, out)
