@@ -45,6 +45,13 @@ NOT_CARRIED: dict[tuple[str, str], str] = {
     ("patches/upstream/main", _DISPATCHER + "nccl_ep_release_context"): (
         "main has its own (paged stash's rerun calls it), which the series calls"
     ),
+    (
+        "patches/upstream/main",
+        _DISPATCHER + "MoEAlltoAllTokenDispatcher.reset_transient_forward_state",
+    ): (
+        "main's batch_invariant_mode keeps batch_invariant_inverse_permutation_mapping from "
+        "dispatch_preprocess to combine_postprocess; the release drops it too"
+    ),
 }
 # The release branches before 0.19 carry none of NCCL EP's release (reset_fused_a2a_buffers
 # there is the primary's without its NCCL EP part).

@@ -456,9 +456,20 @@ def test_verify_detects_replaced_files(tmp_path, repo):
 # ----------------------------------------------------------------------------- CLI
 
 
+# A sign-off identity git reads before any config, so that `upstream` gets past it on any
+# machine (its own refusals are tested in test_upstream.py).
+IDENTITY_ENV = dict(
+    GIT_COMMITTER_NAME="Test Exporter", GIT_COMMITTER_EMAIL="exporter@users.noreply.github.com"
+)
+
+
 def cli(*args: str, cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=cwd
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=dict(os.environ, **IDENTITY_ENV),
     )
 
 
