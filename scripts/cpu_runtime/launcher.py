@@ -405,7 +405,8 @@ def _rank_main(job: Path) -> int:
             from cpu_runtime.compat import teardown_megatron_state
 
             teardown_megatron_state()
-            dist.destroy_process_group()
+            if dist.is_initialized():  # a job may destroy its groups itself (an abort)
+                dist.destroy_process_group()
         # torch.save, not pickle: megatron-core replaces how torch storages pickle (with a
         # loader in megatron.core.safe_globals), which a parent without megatron can't load.
         torch.save(result, job / f"rank{rank}.result")

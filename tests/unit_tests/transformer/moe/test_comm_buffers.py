@@ -7,7 +7,9 @@ explicit destructors: ``destroy_model_parallel()`` releases them, a dispatch aft
 re-create: collectively (a barrier on each buffer's group before any free), refusing while a
 CUDA graph that captured a dispatch may still replay, DeepEP's buffer by its explicit
 ``destroy()``; the HybridEP buffers are kept per process group, so two models on different EP
-groups each run on their own.
+groups each run on their own. The teardown cannot hang: a peer stuck in a collective, groups
+already aborted or a device that never drains cost destroy_model_parallel() its bound and a
+warning, and the barriers run in one order on every rank.
 
 Ranks run megatron-core's real MoELayer / fused_a2a code on CPU gloo ranks with the deep_ep
 emulation, whose buffers allocate their documented sizes through the counted CPU allocator
@@ -22,6 +24,12 @@ import torch
 import torch.distributed as dist
 
 THIS = "tests.unit_tests.transformer.moe.test_comm_buffers"
+# Every flex backend whose buffers the release waits for (DeepEP v2 on the trees that have it).
+WAITING_BACKENDS = [
+    "hybridep",
+    "deepep",
+    pytest.param("deepepv2", marks=pytest.mark.flex_backend("deepepv2")),
+]
 TOKENS = 12
 
 
@@ -37,24 +45,27 @@ def _layer_step(backend: str, ep: int, seed: int = 99):
     from cpu_runtime import moe_harness
     from tests.unit_tests.transformer.moe import moe_cpu_harness as harness
 
-    config = moe_harness.moe_config(backend, ep)
+    # DeepEP v2's combine needs a hidden size that is a multiple of 256, in bf16.
+    wide = {"hidden": 256, "dtype": torch.bfloat16} if backend == "deepepv2" else {}
+    config = moe_harness.moe_config(backend, ep, **wide)
     layer = moe_harness.build_moe_layer(config)
     layer.train()
     harness.load_layer_weights(layer, config)
     rank, world = dist.get_rank(), dist.get_world_size()
-    xs = harness.seeded((world, TOKENS, config.hidden_size), seed)
+    xs = harness.seeded((world, TOKENS, config.hidden_size), seed).to(config.params_dtype)
     x = xs[rank].clone().view(TOKENS, 1, -1).requires_grad_()
     out, _ = layer(x)
-    out.backward(harness.seeded((TOKENS, config.hidden_size), seed + 1 + rank).view_as(out))
+    grad = harness.seeded((TOKENS, config.hidden_size), seed + 1 + rank)
+    out.backward(grad.to(out.dtype).view_as(out))
     return layer, out.detach().clone(), x.grad.clone()
 
 
 def _buffer(backend: str):
-    """The rank's one HybridEP or DeepEP buffer (None if it holds none)."""
+    """The rank's one HybridEP, DeepEP or DeepEP v2 buffer (None if it holds none)."""
     from cpu_runtime.compat import held_comm_buffers
     from megatron.core.transformer.moe import fused_a2a
 
-    kind = "HybridEPBuffer" if backend == "hybridep" else "Buffer"
+    kind = {"hybridep": "HybridEPBuffer", "deepepv2": "ElasticBuffer"}.get(backend, "Buffer")
     held = [b for b in held_comm_buffers(fused_a2a) if type(b).__name__ == kind]
     assert len(held) <= 1, held
     return held[0] if held else None
@@ -389,6 +400,206 @@ def test_release_waits_for_every_peer_before_freeing(dist_job, patched_tree, bac
     assert r1["entered"] - r0["entered"] >= 0.9, (r0, r1)
     assert r0["left"] >= r1["entered"], (r0, r1)
     assert r0["gone"] and r1["gone"]
+
+
+class _Warnings(list):
+    """The WARNING records of megatron-core's loggers on this rank, as messages."""
+
+    def __init__(self):
+        import logging
+
+        super().__init__()
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = lambda record: self.append(record.getMessage())
+        logging.getLogger("megatron.core").addHandler(handler)
+
+
+def rank_teardown_with_a_stuck_peer(backend: str, bound: float):
+    """Rank side: after a step, rank 1 is stuck in a collective on another group (the world)
+    that rank 0 joins only after its teardown; rank 0 tears down with its wait bounded by
+    ``bound`` seconds. Then rank 1 arrives late at the buffer group's barrier (which completes rank
+    0's abandoned one) and drops its buffers without the collective, its peer having gone."""
+    import time
+
+    from cpu_runtime.compat import held_comm_buffers
+    from cpu_runtime.moe_harness import init_megatron
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe import fused_a2a
+
+    init_megatron(ep=2)
+    _layer_step(backend, 2)
+    buffer_group = _buffer(backend).group  # the flex dispatcher's (TPxEP) group
+    warnings = _Warnings()
+    if dist.get_rank() == 1:
+        dist.barrier()
+        dist.barrier(group=buffer_group)
+        fused_a2a.reset_hybrid_ep_buffer()
+        fused_a2a.reset_deep_ep_buffer(destroy=False)
+        dist.barrier()
+        return {}
+    ref = weakref.ref(_buffer(backend))
+    parallel_state._COMM_BUFFER_RELEASE_TIMEOUT = bound
+    start = time.monotonic()
+    parallel_state.destroy_model_parallel()
+    elapsed = time.monotonic() - start
+    gc.collect()
+    out = {
+        "elapsed": elapsed,
+        "held": len(held_comm_buffers(fused_a2a)),
+        "alive": ref() is not None,
+        "warnings": list(warnings),
+    }
+    dist.barrier()
+    dist.barrier()  # rank 1's late barrier has completed this rank's abandoned one
+    return out
+
+
+@pytest.mark.parametrize("backend", WAITING_BACKENDS)
+def test_teardown_with_a_stuck_peer_returns_within_its_bound(dist_job, patched_tree, backend):
+    """A rank that tears down while its peer is stuck in a collective (a test failing on one
+    rank) waits for it at most destroy_model_parallel's bound, then drops its buffers and logs
+    why. The series before this bound hung here until the job's timeout."""
+    r0, _ = dist_job(
+        f"{THIS}:rank_teardown_with_a_stuck_peer",
+        2,
+        patched_tree,
+        timeout=90.0,
+        backend=backend,
+        bound=3.0,
+    )
+    assert 3.0 <= r0["elapsed"] < 8.0, r0
+    assert r0["held"] == 0 and not r0["alive"], r0
+    assert any("TimeoutError" in w and "did not reach the release" in w for w in r0["warnings"]), r0
+
+
+def rank_teardown_after_abort(backend: str):
+    """Rank side: after a step, every process group is destroyed, as the in-process restart's
+    AbortTorchDistributed does (it aborts the NCCL groups, then destroy_process_group()), and
+    then destroy_model_parallel() runs, as its finalize does."""
+    import time
+
+    from cpu_runtime.compat import held_comm_buffers
+    from cpu_runtime.moe_harness import init_megatron
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe import fused_a2a
+
+    init_megatron(ep=2)
+    _layer_step(backend, 2)
+    ref = weakref.ref(_buffer(backend))
+    warnings = _Warnings()
+    dist.destroy_process_group()
+    start = time.monotonic()
+    parallel_state.destroy_model_parallel()
+    elapsed = time.monotonic() - start
+    gc.collect()
+    return {
+        "elapsed": elapsed,
+        "held": len(held_comm_buffers(fused_a2a)),
+        "alive": ref() is not None,
+        "warnings": list(warnings),
+    }
+
+
+@pytest.mark.parametrize("backend", WAITING_BACKENDS)
+def test_teardown_after_an_abort_drops_the_buffers_and_says_so(dist_job, patched_tree, backend):
+    """After the groups were aborted, the teardown returns at once, holds no buffer, and logs
+    why it released them without the collective (the series before swallowed the error)."""
+    for rank, res in enumerate(
+        dist_job(
+            f"{THIS}:rank_teardown_after_abort", 2, patched_tree, timeout=90.0, backend=backend
+        )
+    ):
+        assert res["elapsed"] < 2.0 and res["held"] == 0 and not res["alive"], (rank, res)
+        assert any("was destroyed" in w for w in res["warnings"]), (rank, res)
+
+
+def rank_release_in_one_order():
+    """Rank side: HybridEP buffers on two groups both ranks share, made in one order (their
+    creation is collective), then held in opposite orders on the two ranks, as a rank-local
+    re-insertion leaves them (a fixture restoring a saved buffer, one re-made after growth).
+    Both ranks release them."""
+    import time
+
+    from cpu_runtime.compat import held_comm_buffers
+    from cpu_runtime.moe_harness import init_megatron
+    from megatron.core.transformer.moe import fused_a2a
+
+    init_megatron(ep=2)
+    groups = [dist.new_group([0, 1]), dist.new_group([0, 1])]
+    for group in groups:
+        fused_a2a.init_hybrid_ep_buffer(
+            group,
+            16,
+            TOKENS,
+            4,
+            num_sms_dispatch_api=16,
+            num_sms_combine_api=16,
+            fp8_dispatch=False,
+        )
+    if dist.get_rank() == 1:
+        first = fused_a2a._hybrid_ep_buffers.pop(groups[0])
+        fused_a2a._hybrid_ep_buffers[groups[0]] = first
+    order = [g.group_name for g in fused_a2a._hybrid_ep_buffers]
+    start = time.monotonic()
+    fused_a2a.reset_fused_a2a_buffers()
+    return {
+        "order": order,
+        "elapsed": time.monotonic() - start,
+        "held": len(held_comm_buffers(fused_a2a)),
+    }
+
+
+def test_two_groups_held_in_different_orders_do_not_deadlock(dist_job, patched_tree):
+    """The release runs its barriers in one order on every rank (the groups' ranks, then their
+    names), not in each rank's order of its buffers: the series before deadlocked here, rank 0
+    in the first group's barrier and rank 1 in the second's."""
+    r0, r1 = dist_job(f"{THIS}:rank_release_in_one_order", 2, patched_tree, timeout=60.0)
+    assert r0["order"] == r1["order"][::-1], (r0, r1)
+    for rank, res in enumerate((r0, r1)):
+        assert res["held"] == 0 and res["elapsed"] < 5.0, (rank, res)
+
+
+def rank_release_with_a_busy_device(bound: float):
+    """Rank side: a HybridEP step, then the release with its wait bounded, on a device whose
+    synchronize never returns (a kernel waiting for a peer that never comes; CUDA stood in for
+    by a torch.cuda.synchronize that blocks)."""
+    import threading
+    import time
+
+    from cpu_runtime.compat import held_comm_buffers
+    from cpu_runtime.moe_harness import init_megatron
+    from megatron.core.transformer.moe import fused_a2a
+
+    init_megatron(ep=2)
+    _layer_step("hybridep", 2)
+    never = threading.Event()
+    cuda = torch.cuda
+    saved = cuda.is_available, cuda.synchronize, cuda.current_device
+    cuda.is_available, cuda.current_device = (lambda: True), (lambda: 0)
+    cuda.synchronize = lambda device=None: never.wait()
+    start = time.monotonic()
+    try:
+        fused_a2a.reset_fused_a2a_buffers(timeout=bound)
+        error = None
+    except TimeoutError as exc:
+        error = str(exc)
+    finally:
+        cuda.is_available, cuda.synchronize, cuda.current_device = saved
+    elapsed = time.monotonic() - start
+    never.set()
+    return {"elapsed": elapsed, "error": error, "held": len(held_comm_buffers(fused_a2a))}
+
+
+def test_release_with_a_busy_device_returns_within_its_bound(dist_job, patched_tree):
+    """With a bound, a device synchronize that never returns does not hold the release: it
+    raises TimeoutError naming the device, with the buffers dropped."""
+    for rank, res in enumerate(
+        dist_job(
+            f"{THIS}:rank_release_with_a_busy_device", 2, patched_tree, timeout=60.0, bound=2.0
+        )
+    ):
+        assert 2.0 <= res["elapsed"] < 5.0 and res["held"] == 0, (rank, res)
+        assert res["error"] and "still runs kernels" in res["error"], (rank, res)
 
 
 def rank_deep_ep_explicit_destroy():

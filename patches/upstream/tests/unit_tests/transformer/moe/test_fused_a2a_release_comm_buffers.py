@@ -27,6 +27,8 @@ import dataclasses
 import functools
 import gc
 import inspect
+import logging
+import time
 import weakref
 
 import pytest
@@ -211,6 +213,26 @@ class _CapturingTorch:
         return getattr(torch, name)
 
 
+class _CompletedWork:
+    """What torch.distributed.barrier(async_op=True) returns once every peer arrived."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+class _PendingWork(_CompletedWork):
+    """A barrier whose peers never arrive."""
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self, timeout=None) -> bool:
+        raise AssertionError("waited for a barrier that cannot complete")
+
+
 def test_reset_fused_a2a_buffers_is_idempotent_without_buffers():
     """Safe before any dispatch, and any number of times."""
     fused_a2a.reset_fused_a2a_buffers()
@@ -378,15 +400,19 @@ class TestFusedA2ACommBuffers:
         _assert_bitwise_equal(after, alone, "layer B after the release")
         assert _nccl_ep_group() is layers["B"].token_dispatcher.tp_ep_group
 
-    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
-    @pytest.mark.internal
-    def test_reset_barriers_every_group_before_freeing(self, monkeypatch):
-        """reset_fused_a2a_buffers() is collective: it runs a barrier on every held buffer's
-        group while all of them are still held, then frees them."""
+    def _hold_buffers_on_two_groups(self):
+        """HybridEP buffers on this rank's two EP groups and the DeepEP buffer on the first
+        (each backend where installed); returns the two groups."""
         group_a, group_b = self._two_ep_groups()
+        self._hold_buffers(group_a, group_b)
+        return group_a, group_b
+
+    @staticmethod
+    def _hold_buffers(group_a, *others):
+        """HybridEP buffers on each group and the DeepEP buffer on the first."""
         num_tokens = SEQ_LEN * MICRO_BATCH
         if fused_a2a.HAVE_HYBRIDEP:
-            for group in (group_a, group_b):
+            for group in (group_a, *others):
                 # By keyword: core_r0.17.0 requires these three, later branches default them.
                 fused_a2a.init_hybrid_ep_buffer(
                     group,
@@ -399,6 +425,13 @@ class TestFusedA2ACommBuffers:
                 )
         if fused_a2a.HAVE_DEEP_EP:
             fused_a2a.get_buffer(group_a, HIDDEN_SIZE * 2)
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+    @pytest.mark.internal
+    def test_reset_barriers_every_group_before_freeing(self, monkeypatch):
+        """reset_fused_a2a_buffers() is collective: it runs a barrier on every held buffer's
+        group while all of them are still held, then frees them."""
+        group_a, group_b = self._hold_buffers_on_two_groups()
         held = [*fused_a2a._hybrid_ep_buffers.values(), fused_a2a._buffer]
         held = [b for b in held if b is not None]
         groups = {"A": group_a, "B": group_b}
@@ -427,6 +460,64 @@ class TestFusedA2ACommBuffers:
                 f"{[(g is group_a, g is group_b, n) for g, n in barriers]}"
             )
         assert still_held() == 0 and all(r() is None for r in refs), "buffers left after reset"
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+    @pytest.mark.internal
+    def test_reset_barriers_in_one_order_on_every_rank(self, monkeypatch):
+        """The barriers run in one order on every rank (by the groups' ranks), not in the
+        rank's order of its buffers, which is rank-local (a buffer re-made or restored on one
+        rank moves to the end): two ranks sharing two groups must not wait on different ones.
+        Odd ranks hold their buffers in the opposite order here."""
+        if not fused_a2a.HAVE_HYBRIDEP:
+            pytest.skip("needs HybridEP (a buffer per group)")
+        self._hold_buffers_on_two_groups()
+        rank = torch.distributed.get_rank()
+        if rank % 2:
+            buffers = fused_a2a._hybrid_ep_buffers
+            first = next(iter(buffers))
+            buffers[first] = buffers.pop(first)
+        barriers = []
+
+        def recording_barrier(group=None, async_op=False, **kwargs):
+            barriers.append(group)
+            return _CompletedWork() if async_op else None
+
+        with monkeypatch.context() as m:
+            m.setattr(torch.distributed, "barrier", recording_barrier)
+            fused_a2a.reset_fused_a2a_buffers()
+        ranks = [torch.distributed.get_process_group_ranks(g) for g in barriers]
+        assert len(ranks) == 2 and ranks == sorted(ranks), (
+            f"rank {rank} ran its barriers in its buffers' order: {ranks}"
+        )
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+    @pytest.mark.internal
+    def test_destroy_model_parallel_bounds_its_wait(self, monkeypatch, caplog):
+        """A peer that never reaches the release (stuck in a collective, or a test that failed
+        on its rank) does not hang destroy_model_parallel(): it gives up at its bound, drops
+        the buffers and logs why."""
+        Utils.initialize_model_parallel(expert_model_parallel_size=4)
+        self._hold_buffers(parallel_state.get_expert_model_parallel_group())
+        held = [*fused_a2a._hybrid_ep_buffers.values(), fused_a2a._buffer]
+        refs = [weakref.ref(b) for b in held if b is not None]
+        del held
+
+        def barrier_never_met(group=None, async_op=False, **kwargs):
+            assert async_op, "an unbounded barrier: a peer that never arrives hangs it"
+            return _PendingWork()
+
+        with monkeypatch.context() as m:
+            m.setattr(torch.distributed, "barrier", barrier_never_met)
+            m.setattr(parallel_state, "_COMM_BUFFER_RELEASE_TIMEOUT", 1.0, raising=False)
+            start = time.monotonic()
+            parallel_state.destroy_model_parallel()
+            elapsed = time.monotonic() - start
+        Utils.inited = False  # torn down here, without Utils' barrier
+        gc.collect()
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert any("TimeoutError" in w for w in warnings), f"logged no warning: {warnings}"
+        assert elapsed < 10.0, f"destroy_model_parallel() took {elapsed:.1f} s"
+        assert refs and all(r() is None for r in refs), "buffers left after the teardown"
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
