@@ -87,6 +87,19 @@ def pytest_configure(config):
         "flex_backend(name): needs a flex backend only some trees have (ncclep, deepepv2); "
         "deselected, not skipped, where the tree under test lacks it",
     )
+    config.addinivalue_line(
+        "markers",
+        "tree_has(path, text): needs code only some trees have (``text`` in the tree's file at "
+        "``path``); deselected, not skipped, where the tree under test lacks it",
+    )
+
+
+def _tree_has(path: str, text: str) -> bool:
+    try:
+        with open(os.path.join(PATCHED_TREE, path), encoding="utf-8") as f:
+            return text in f.read()
+    except (OSError, TypeError):
+        return False
 
 
 def _backend_of(prefix: str):
@@ -117,6 +130,7 @@ def pytest_collection_modifyitems(config, items):
         item
         for item in items
         if any(m.args[0] not in backends for m in item.iter_markers("flex_backend"))
+        or any(not _tree_has(*m.args) for m in item.iter_markers("tree_has"))
     ]
     # Release-test prefixes only deselected tests match are not expected on this tree.
     not_here = {

@@ -611,11 +611,13 @@ def rank_static_budget(ep, tokens=8):
     return out
 
 
-def rank_cudagraph_replay(dispatcher, backend, ep, variant=None):
+def rank_cudagraph_replay(dispatcher, backend, ep, variant=None, impl="transformer_engine"):
     """Partial CUDA-graph flow on CPU: the attributes listed in ``cudagraph_attrs`` are read
     right after the preprocess (capture) and written back before dispatch (replay), after the
     previous forward's release. The result must equal the eager forward; and the automatic
-    release must be skipped while a stream is capturing."""
+    release must be skipped while a stream is capturing. ``impl="local"``: megatron's own
+    partial graphs (TransformerLayer._get_token_dispatcher_attrs / _restore_token_dispatcher_attrs,
+    every tensor of ``cudagraph_attrs`` at capture), which set no ``valid_cudagraph_attrs``."""
     import torch
 
     from megatron.core.transformer.moe import token_dispatcher as td
@@ -637,13 +639,17 @@ def rank_cudagraph_replay(dispatcher, backend, ep, variant=None):
             if torch.is_tensor(obj):
                 captured[name] = obj
         # moe_utils records which attributes the capture returned; a replay restores only those.
-        disp.valid_cudagraph_attrs = [n for n in disp.cudagraph_attrs if n in captured]
+        # The local implementation keeps the names on the layer, not on the dispatcher.
+        if impl == "transformer_engine":
+            disp.valid_cudagraph_attrs = [n for n in disp.cudagraph_attrs if n in captured]
         # Tensor attributes of the preprocess the capture did not return (probs on branches up
         # to core_r0.18.0, where it is not in the all-to-all's cudagraph_attrs) must survive.
         uncaptured = {
             a: getattr(disp, a)
             for a in ("probs",)
-            if a not in captured and torch.is_tensor(getattr(disp, a, None))
+            if impl == "transformer_engine"
+            and a not in captured
+            and torch.is_tensor(getattr(disp, a, None))
         }
         disp.reset_transient_forward_state()  # what the previous forward's combine did
         kept = all(getattr(disp, a, None) is v for a, v in uncaptured.items())
@@ -1060,6 +1066,26 @@ def test_cudagraph_attrs_survive_release(dispatcher, backend, ep, variant):
         assert res["uncaptured_kept"], res["uncaptured"]
         assert res["capture_checked"]
         assert res["held_while_capturing"] > 0
+
+
+@needs_tree
+@pytest.mark.tree_has(
+    "megatron/core/transformer/transformer_layer.py", "_local_cudagraph_attr_names"
+)
+@pytest.mark.parametrize(
+    "dispatcher,backend,ep,variant",
+    [("alltoall", "dropless", 2, None), ("flex", "hybridep", 2, None)],
+)
+def test_local_cudagraph_replay_restores_what_the_release_drops(dispatcher, backend, ep, variant):
+    """Megatron's local partial CUDA graphs set no valid_cudagraph_attrs: the release then drops
+    every tensor it lists, and the replay restores every tensor of cudagraph_attrs it captured.
+    So each attribute the release drops must be one of cudagraph_attrs (main appends the
+    batch-invariant mapping there), or the replayed forward reads None. Only on trees with
+    local partial graphs (0.19.2, main)."""
+    kwargs = dict(dispatcher=dispatcher, backend=backend, ep=ep, variant=variant, impl="local")
+    for res in run_distributed(f"{THIS}:rank_cudagraph_replay", ep, PATCHED_TREE, kwargs):
+        assert res["equal"] and res["captured"], res
+        assert res["capture_checked"] and res["held_while_capturing"] > 0, res
 
 
 @needs_tree
