@@ -223,9 +223,12 @@ def _cmd_upstream(args: argparse.Namespace) -> int:
     if args.check:
         check_checkout_dir(Path(args.check))
     ident = identity()
-    paths = export_upstream(args.target, Path(args.outdir), ident, args.topic)
+    notes: list = []
+    paths = export_upstream(args.target, Path(args.outdir), ident, args.topic, notes=notes)
     print(f"wrote {len(paths)} {args.topic} patches for {args.target} to {args.outdir}, "
           f"signed off by {ident[0]} <{ident[1]}>")  # fmt: skip
+    for note in notes:
+        print(f"note: {note}")
     if args.check:
         for line in check_export(paths, Path(args.check), args.ref or args.target, ident):
             print(line)

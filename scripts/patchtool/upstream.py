@@ -21,9 +21,11 @@ from pathlib import Path
 from typing import Optional
 
 from .common import REPO_ROOT, UserError
+from .git import git, git_env
 from .patches import Patch, parse_patch
-from .pins import load_pins
+from .pins import Base, load_pins
 from .repo import read_series, read_series_dir
+from .source import available, not_configured, read_base_files
 from .trees import check_target_dir, os_error
 
 # Targets whose code the primary series (over the 0.19.2 sdist) applies to as it is.
@@ -210,6 +212,56 @@ def target_series(target: str, root: Path = REPO_ROOT) -> list[tuple[str, bytes]
     raise UserError(f"unknown target {target!r} (one of {known})")
 
 
+def target_base(target: str, root: Path = REPO_ROOT) -> Base:
+    """The pinned base whose series :func:`target_series` reads for ``target``."""
+    pins = load_pins(root / "patches" / "pins.toml")
+    if target in PRIMARY_TARGETS:
+        return pins.get(None)
+    want = f"patches/upstream/{target}" if target in VARIANT_TARGETS else None
+    for b in pins.bases.values():
+        if (want and b.series == want) or (not want and b.branch == target
+                                           and Path(b.series).name == target):  # fmt: skip
+            return b
+    raise UserError(f"upstream {target}: no base in patches/pins.toml carries its series")
+
+
+def rebase_alone(series: list[tuple[str, bytes]], base_files: dict[str, bytes]) -> list:
+    """``series`` (a part of a stacked series) as it applies to the base without the rest: each
+    diff made again by git on the base's files plus the part's earlier patches, so that its
+    ``index`` lines name blobs a checkout of the base has (or that the export's earlier patches
+    make), which ``git am -3`` needs to fall back to a 3-way merge. A patch that does not apply
+    there without the rest of the series is an error naming it."""
+    paths = sorted({fp.path for name, data in series for fp in parse_patch(data, name).files})
+    with tempfile.TemporaryDirectory(prefix="moe-release-alone-") as tmp:
+        repo = Path(tmp)
+        git(repo, "init", "-q")
+        git(repo, "config", "user.name", "moe-release")  # scratch commits, never exported
+        git(repo, "config", "user.email", "moe-release@localhost")
+        for rel in paths:
+            if rel in base_files:
+                (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+                (repo / rel).write_bytes(base_files[rel])
+        git(repo, "add", "-A")
+        git(repo, "commit", "-q", "--allow-empty", "-m", "base")
+        out = []
+        for name, data in series:
+            start = data.index(b"\ndiff --git ") + 1
+            done = subprocess.run(
+                ["git", "-C", str(repo), "apply", "--index", "--whitespace=nowarn"],
+                input=data[start:], capture_output=True, env=git_env(),
+            )  # fmt: skip
+            if done.returncode != 0:
+                why = done.stderr.decode(errors="replace").strip().splitlines()
+                raise UserError(
+                    f"{name}: does not apply to the base without the series' other patches "
+                    f"({why[0] if why else 'git apply failed'})"
+                )
+            diff = git(repo, "diff", "--cached", "--full-index", "--no-renames", "--no-color")
+            git(repo, "commit", "-q", "-m", name)
+            out.append((name, data[:start] + diff))
+        return out
+
+
 def upstream_test_files(root: Path = REPO_ROOT) -> dict[str, bytes]:
     """The upstream-layout test files under ``patches/upstream/tests``, by their path in
     Megatron-LM (``tests/...``)."""
@@ -289,12 +341,24 @@ def export_upstream(
     ident: tuple[str, str],
     topic: str = "memory",
     root: Path = REPO_ROOT,
+    notes: Optional[list] = None,
 ) -> list[Path]:
     """Write one topic of ``target``'s series (:func:`target_series`) as ``git am``-able mboxes
-    into ``outdir`` (absent or empty); returns their paths."""
-    series = target_series(target, root)
+    into ``outdir`` (absent or empty); returns their paths. A topic that is not the whole series
+    is diffed again against the base alone (:func:`rebase_alone`); where the base's files are
+    not available, ``notes`` gets a line saying so."""
+    whole = target_series(target, root)
     outdir = check_target_dir(outdir)
-    series = topic_series(series, topic)
+    series = topic_series(whole, topic)
+    if len(series) < len(whole):  # a topic without the patches before it: index its own blobs
+        base = target_base(target, root)
+        if available(base):
+            series = rebase_alone(series, read_base_files(base))
+        elif notes is not None:
+            notes.append(
+                f"index lines name blobs of the whole series, not of {base.name} alone "
+                f"(git am -3 cannot fall back): {not_configured(base)}"
+            )
     name, email = ident
     last_date = parse_patch(series[-1][1], series[-1][0]).date if series else ""
     tests = _tests_patch(topic, series, root)

@@ -11,6 +11,7 @@ from patchtool.common import REPO_ROOT, UserError
 from patchtool.patches import check_trailers, parse_patch
 from patchtool.pins import load_pins
 from patchtool.repo import read_series
+from patchtool.source import blob_id
 from patchtool.upstream import (
     CPU_IMPORT_TITLE,
     PR_TOPICS,
@@ -198,6 +199,15 @@ def test_core_r0_16_cpu_import_pr_is_the_router_change(tmp_path):
     assert "moe-release" not in tests_patch
 
 
+def _hunks(diff: bytes) -> list:
+    """A diff without its index lines and hunk positions."""
+    return [
+        b"@@" if line.startswith(b"@@ ") else line
+        for line in diff.splitlines()
+        if not line.startswith(b"index ")
+    ]
+
+
 @pytest.mark.parametrize("topic", ["memory", *PR_TOPICS, "cpu-import"])
 def test_export_strips_overlay_trailers_and_signs_off(tmp_path, base, topic):
     series = topic_series(read_series(base), topic)
@@ -215,8 +225,10 @@ def test_export_strips_overlay_trailers_and_signs_off(tmp_path, base, topic):
         assert message.rstrip().endswith(
             "Signed-off-by: Ada Lovelace <ada.lovelace@users.noreply.github.com>"
         )
-        # The diff is the series' own, byte for byte.
-        assert text.encode().endswith(data[data.index(b"\ndiff --git ") + 1 :])
+        # The diff is the series' own; a topic without the patches before it is diffed against
+        # the base alone, so only its index lines and hunk positions may differ.
+        exported = text.encode()[text.encode().index(b"\ndiff --git ") + 1 :]
+        assert _hunks(exported) == _hunks(data[data.index(b"\ndiff --git ") + 1 :])
         assert upstream_message(parse_patch(data, name), *IDENT) in text
 
 
@@ -367,3 +379,48 @@ def test_no_test_for_a_fix_the_branch_does_not_get(tmp_path, target):
         assert "test_router_gating_without_te.py" in tests_patches[0].read_text()
     else:
         assert tests_patches == [] and "test_router_gating_without_te.py" not in text
+
+
+@pytest.mark.parametrize("topic", [*PR_TOPICS, "cpu-import"])
+def test_a_topic_alone_indexes_blobs_a_checkout_has(tmp_path, base, base_files, topic):
+    """Exported alone, a topic's diffs are made against the base without the series' other
+    patches: every ``index`` line's pre-image is a blob of the base or one the export's earlier
+    patches make, which ``git am -3`` needs to fall back to a 3-way merge."""
+    known = {blob_id(data).hex() for data in base_files.values()} | {"0" * 40}
+    paths = export_upstream("core_r0.19.0", tmp_path / "out", IDENT, topic)
+    for path in paths:
+        for line in (tmp_path / "out" / path).read_text().splitlines():
+            if line.startswith("index "):
+                pre, post = line.split()[1].split("..")
+                assert pre in known, f"{path}: {line} names a blob of the stacked series"
+                known.add(post)
+
+
+def test_a_topic_alone_falls_back_to_a_3way_merge(tmp_path, base, base_files):
+    """On a checkout with a local change in a hunk's context, plain ``git am`` of the
+    comm-buffers topic stops and ``git am -3`` merges it: token_dispatcher.py is a file the
+    series' earlier topics change too, so an index line naming the stacked series' blob would
+    leave git nothing to merge from."""
+
+    def local_change(root):
+        f = root / "megatron/core/transformer/moe/token_dispatcher.py"
+        block = (
+            "            fused=self.config.moe_permute_fusion_into_hybridep,\n"
+            "        )\n"
+            "        if (\n"
+            "            self._padded_num_tokens is not None\n"
+        )
+        assert f.read_text().count(block) == 1
+        f.write_text(f.read_text().replace(block, block[:-1] + "  # a local change\n"))
+
+    paths = export_upstream("core_r0.19.0", tmp_path / "out", IDENT, "comm-buffers")
+    checkout = _checkout(tmp_path, base, base_files)  # the base, committed ...
+    local_change(checkout)  # ... then the user's own commit on top
+    _git(checkout, "-c", "user.name=x", "-c", "user.email=x@localhost", "commit", "-qam", "mine")
+    files = [str(tmp_path / "out" / p) for p in paths]
+    am = ["git", "-c", "user.name=x", "-c", "user.email=x@localhost", "am", "-q"]
+    plain = subprocess.run([*am, *files], cwd=checkout, capture_output=True)
+    assert plain.returncode != 0, "the local change did not touch a hunk's context"
+    subprocess.run(["git", "am", "--abort"], cwd=checkout, check=True)
+    merged = subprocess.run([*am, "-3", *files], cwd=checkout, capture_output=True)
+    assert merged.returncode == 0, merged.stderr.decode()
