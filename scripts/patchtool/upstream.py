@@ -455,7 +455,8 @@ PR_FILE = "PR.md"
 def pr_description(target: str, topic: str, series: list, root: Path = REPO_ROOT) -> str:
     """The PR's description in upstream's template (.github/pull_request_template.md): what it
     does, the linked issue, the pre-checks as they stand, the commits, the tests and how to run
-    them, and what the change does not cover (each commit's own "Not covered")."""
+    them, and what the change does not cover (each commit's own "Not covered", under its
+    subject)."""
     summary, related = PR_SUMMARY_ON.get((topic, target), PR_SUMMARY[topic])
     test_files = sorted(export_test_files(topic, series, root))
     box = lambda done: "x" if done else " "  # noqa: E731
@@ -490,7 +491,8 @@ def pr_description(target: str, topic: str, series: list, root: Path = REPO_ROOT
         out += [f"- **{upstream_subject(patch.subject)}**: " + " ".join(first.split()), ""]
         for par in patch.message.split("\n\n"):
             if par.startswith("Not covered"):
-                not_covered.append(" ".join(par.split()))
+                text = " ".join(par.split()).removeprefix("Not covered").lstrip(":").strip()
+                not_covered.append(f"*{upstream_subject(patch.subject)}*: {text}")
     out += ["## Tests", ""]
     if test_files:
         out += [f"- `{p}`" for p in test_files]

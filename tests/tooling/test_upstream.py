@@ -185,6 +185,10 @@ def test_each_pr_gets_a_description_in_upstreams_template(tmp_path, base, topic)
     assert ("- [x] I have added relevant unit tests" in text) == bool(tests)
     assert all(t in text for t in tests) and "## Not covered" in text
     assert "moe-release" not in text and "scripts/" not in text
+    # One item per commit that says what it does not cover, under the commit's subject.
+    items = text.split("## Not covered", 1)[1].strip().splitlines()
+    assert items and all(i.startswith("- *fix(moe): ") for i in items), items
+    assert "Not covered:" not in text.split("## Not covered", 1)[1]
 
 
 def test_core_r0_16_cpu_import_pr_is_the_router_change(tmp_path):
