@@ -82,8 +82,21 @@ CPU_IMPORT_TITLE = "et the MoE dispatcher path import and build without CUDA"
 RESERVED_TLDS = ("invalid", "example", "test", "localhost")
 RESERVED_DOMAINS = ("example.com", "example.net", "example.org")
 # Upstream's dev branch titles its PRs "[Dev] ..."; the variant's series keeps the primary's
-# subjects (its file names come from them), the export adds the prefix.
+# subjects (its file names come from them), the export puts the prefix in the PR's title only,
+# as `git am` strips a bracketed prefix from a commit's subject.
 DEV_PREFIX = {"dev": "[Dev] "}
+# What the CPU-import fix is called upstream (the series' name, from its first version, says
+# "without CUDA"; what it guards is Triton's import, and on core_r0.16.0 Transformer Engine's).
+CPU_IMPORT_UPSTREAM = "let megatron.core.pipeline_parallel import where Triton is absent"
+CPU_IMPORT_UPSTREAM_ON = {
+    "core_r0.16.0": "fix(moe): let the MoE router run where Transformer Engine is absent"
+}
+# The PR title of a topic with several commits.
+PR_TITLES = {
+    "dispatcher-state": "release the MoE dispatchers' per-forward state after combine",
+    "a2a-overlap": "release the 1F1B A2A-overlap schedule's state at its last use",
+    "comm-buffers": "give the flex dispatcher's communication buffers a lifecycle",
+}
 # Files added to upstream as they are (upstream-layout tests), and the message of the patch that
 # adds them at the end of the memory topic (first line: its subject).
 UPSTREAM_FILES_DIR = "patches/upstream"
@@ -137,6 +150,30 @@ def upstream_subject(subject: str) -> str:
     if not (len(first) > 1 and (first.isupper() or any(c.isdigit() for c in first))):
         text = text[:1].lower() + text[1:]
     return f"fix(moe): {text}"
+
+
+def export_subject(subject: str, target: str) -> str:
+    """A series subject as the export to ``target`` writes it: :func:`upstream_subject`, with
+    one colon after the type (``A2A overlap: drop x`` -> ``drop x in the A2A overlap``, also
+    inside a backport's ``cp: `...```) and the CPU-import fix under its upstream name."""
+    text = upstream_subject(subject)
+    if CPU_IMPORT_TITLE in subject:
+        if target in CPU_IMPORT_UPSTREAM_ON:
+            return CPU_IMPORT_UPSTREAM_ON[target]
+        text = re.sub(r"let the MoE dispatcher path import and build without\s+CUDA",
+                      CPU_IMPORT_UPSTREAM, text)  # fmt: skip
+    return re.sub(r"fix\(moe\): A2A overlap: ([^`]+)", r"fix(moe): \1 in the A2A overlap", text)
+
+
+def pr_title(target: str, topic: str, series: list) -> str:
+    """The PR's title: its one commit's subject, or the topic's; ``[Dev]`` first on dev."""
+    if len(series) == 1:
+        title = export_subject(parse_patch(series[0][1], series[0][0]).subject, target)
+    elif topic in PR_TITLES:
+        title = f"fix(moe): {PR_TITLES[topic]}"
+    else:  # nothing of the topic on this branch
+        title = f"fix(moe): {CPU_IMPORT_UPSTREAM}"
+    return DEV_PREFIX.get(target, "") + title
 
 
 def upstream_message(patch: Patch, name: str, email: str) -> str:
@@ -371,7 +408,7 @@ def export_upstream(
     try:
         for n, (fname, data) in enumerate(series, 1):
             patch = parse_patch(data, fname)
-            subject = DEV_PREFIX.get(target, "") + upstream_subject(patch.subject)
+            subject = export_subject(patch.subject, target)
             diff = data[data.index(b"\ndiff --git ") + 1 :]
             head = (
                 "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
@@ -384,7 +421,6 @@ def export_upstream(
             paths.append(out.name)
         if tests:
             subject, body, diff = tests
-            subject = DEV_PREFIX.get(target, "") + subject
             n = total
             head = (
                 "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
@@ -461,6 +497,8 @@ def pr_description(target: str, topic: str, series: list, root: Path = REPO_ROOT
     test_files = sorted(export_test_files(topic, series, root))
     box = lambda done: "x" if done else " "  # noqa: E731
     out = [
+        f"Title: {pr_title(target, topic, series)}",
+        "",
         "- [ ] I, the PR author, have personally reviewed every line of this PR.",
         "",
         "# What does this PR do?",
@@ -488,11 +526,11 @@ def pr_description(target: str, topic: str, series: list, root: Path = REPO_ROOT
     for name, data in series:
         patch = parse_patch(data, name)
         first = patch.message.strip("\n").split("\n\n", 1)[0]
-        out += [f"- **{upstream_subject(patch.subject)}**: " + " ".join(first.split()), ""]
+        out += [f"- **{export_subject(patch.subject, target)}**: " + " ".join(first.split()), ""]
         for par in patch.message.split("\n\n"):
             if par.startswith("Not covered"):
                 text = " ".join(par.split()).removeprefix("Not covered").lstrip(":").strip()
-                not_covered.append(f"*{upstream_subject(patch.subject)}*: {text}")
+                not_covered.append(f"*{export_subject(patch.subject, target)}*: {text}")
     out += ["## Tests", ""]
     if test_files:
         out += [f"- `{p}`" for p in test_files]

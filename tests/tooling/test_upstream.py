@@ -18,6 +18,7 @@ from patchtool.upstream import (
     TOPIC_TESTS,
     VARIANT_TARGETS,
     check_export,
+    export_subject,
     export_test_files,
     export_upstream,
     identity,
@@ -157,11 +158,45 @@ def test_export_leaves_out_the_overlay_evidence(tmp_path, base):
 
 
 def test_dev_export_titles_carry_the_dev_prefix(tmp_path):
+    """On dev the PR's title starts with [Dev]; its commits' subjects do not, as git am would
+    strip it from them."""
     paths = export_upstream("dev", tmp_path / "out", IDENT, "dispatcher-state")
     subjects = [p.read_text().split("Subject: ", 1)[1].split("\n", 1)[0] for p in paths]
-    assert all("] [Dev] fix(moe): " in s or "] [Dev] test(moe): " in s for s in subjects), subjects
+    assert all("] fix(moe): " in s or "] test(moe): " in s for s in subjects), subjects
+    pr = (tmp_path / "out" / "PR.md").read_text()
+    assert pr.startswith("Title: [Dev] fix(moe): release the MoE dispatchers'"), pr[:80]
     main = export_upstream("main", tmp_path / "main", IDENT, "dispatcher-state")
     assert "[Dev]" not in "".join(p.read_text() for p in main)
+    assert "[Dev]" not in (tmp_path / "main" / "PR.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "subject,target,expected",
+    [
+        ("[MoE] A2A overlap: drop a node's tensors", "main",
+         "fix(moe): drop a node's tensors in the A2A overlap"),
+        ("cp: `fix(moe): A2A overlap: drop x` into `core_r0.18.0`", "core_r0.18.0",
+         "cp: `fix(moe): drop x in the A2A overlap` into `core_r0.18.0`"),
+        ("[MoE] Let the MoE dispatcher path import and build without CUDA", "dev",
+         "fix(moe): let megatron.core.pipeline_parallel import where Triton is absent"),
+        ("cp: `fix(moe): let the MoE dispatcher path import and build without CUDA` into "
+         "`core_r0.16.0`", "core_r0.16.0",
+         "fix(moe): let the MoE router run where Transformer Engine is absent"),
+        ("[MoE] Keep one HybridEP buffer per process group", "dev",
+         "fix(moe): keep one HybridEP buffer per process group"),
+    ],
+)  # fmt: skip
+def test_export_subjects_have_one_colon_and_upstream_names(subject, target, expected):
+    assert export_subject(subject, target) == expected
+
+
+def test_exported_subjects_have_one_colon_after_the_type(tmp_path):
+    for target in ("main", "dev", "core_r0.19.0", "core_r0.18.0", "core_r0.16.0"):
+        for path in export_upstream(target, tmp_path / target, IDENT):
+            subject = path.read_text().split("Subject: ", 1)[1].split("\n", 1)[0]
+            title = subject.split("] ", 1)[1]
+            inner = title.split("`")[1] if title.startswith("cp: `") else title
+            assert inner.count(": ") == 1, (target, subject)
 
 
 @pytest.mark.parametrize("topic", [*PR_TOPICS, "memory", "cpu-import"])
@@ -177,7 +212,7 @@ def test_each_pr_gets_a_description_in_upstreams_template(tmp_path, base, topic)
     for heading in ("# What does this PR do?", "## Issue tracking", "### Pre-checks", "## Tests"):
         assert heading in text, heading
     for name, data in topic_series(read_series(base), topic):
-        assert upstream_subject(parse_patch(data, name).subject) in text
+        assert export_subject(parse_patch(data, name).subject, "core_r0.19.0") in text
     # The tests this branch's PR adds (a file about one module only where the series changes it).
     series = topic_series(read_series(base), topic)
     tests = [p.rsplit("/", 1)[-1] for p in export_test_files(topic, series)]
