@@ -266,9 +266,9 @@ class TestA2AOverlapScheduleStateRelease:
         def checkpoints(phase, watches):
             if phase == "forward 0":
                 held = watches[0].nodes_holding_detached()
-                assert any("moe_dispatch.before_detached" in h for h in held), (
-                    f"[rank {_rank()}] the dispatch node kept nothing in forward: {held}"
-                )
+                assert any(
+                    "moe_dispatch.before_detached" in h for h in held
+                ), f"[rank {_rank()}] the dispatch node kept nothing in forward: {held}"
             elif phase == "overlapped":
                 seen["mb0"] = watches[0].nodes_holding_detached()
                 seen["mb0 alive"] = watches[0].alive_dispatched_probs()
@@ -280,9 +280,9 @@ class TestA2AOverlapScheduleStateRelease:
         run_overlapped(model, build_microbatches(), checkpoints)
 
         held = seen["mb0"]
-        assert not held, (
-            f"[rank {_rank()}] after microbatch 0's backward its layer nodes still hold {held}"
-        )
+        assert (
+            not held
+        ), f"[rank {_rank()}] after microbatch 0's backward its layer nodes still hold {held}"
         alive = seen["mb0 alive"]
         assert not alive, f"[rank {_rank()}] after microbatch 0's backward still alive: {alive}"
         # Microbatch 1's forward ran in between; its backward still needs what it saved.
@@ -293,9 +293,9 @@ class TestA2AOverlapScheduleStateRelease:
                 f"moe_dispatch.{name}: it holds only {kept}"
             )
         held = seen["mb1 after"]
-        assert not held, (
-            f"[rank {_rank()}] after microbatch 1's backward its layer nodes still hold {held}"
-        )
+        assert (
+            not held
+        ), f"[rank {_rank()}] after microbatch 1's backward its layer nodes still hold {held}"
         alive = seen["mb1 alive"]
         assert not alive, f"[rank {_rank()}] after microbatch 1's backward still alive: {alive}"
 
@@ -383,9 +383,9 @@ class TestA2AOverlapScheduleStateRelease:
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
         for i, (out, ref) in enumerate(zip(outputs, ref_outputs)):
-            assert torch.equal(out.detach(), ref), (
-                f"[rank {_rank()}] microbatch {i}'s output differs from the reference"
-            )
+            assert torch.equal(
+                out.detach(), ref
+            ), f"[rank {_rank()}] microbatch {i}'s output differs from the reference"
         assert grads.keys() == ref_grads.keys(), (
             f"[rank {_rank()}] gradients of {sorted(grads.keys() ^ ref_grads.keys())} differ "
             f"in presence from the reference"

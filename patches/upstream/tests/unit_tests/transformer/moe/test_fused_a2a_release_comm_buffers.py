@@ -342,9 +342,9 @@ class TestFusedA2ACommBuffers:
         groups = {layer.token_dispatcher.tp_ep_group for layer in layers.values()}
         assert len(groups) == 2
         buffers = fused_a2a._hybrid_ep_buffers
-        assert set(buffers) == groups, (
-            f"{len(buffers)} HybridEP buffers, not one for each of the two layers' groups"
-        )
+        assert (
+            set(buffers) == groups
+        ), f"{len(buffers)} HybridEP buffers, not one for each of the two layers' groups"
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
@@ -486,9 +486,9 @@ class TestFusedA2ACommBuffers:
             m.setattr(torch.distributed, "barrier", recording_barrier)
             fused_a2a.reset_fused_a2a_buffers()
         ranks = [torch.distributed.get_process_group_ranks(g) for g in barriers]
-        assert len(ranks) == 2 and ranks == sorted(ranks), (
-            f"rank {rank} ran its barriers in its buffers' order: {ranks}"
-        )
+        assert len(ranks) == 2 and ranks == sorted(
+            ranks
+        ), f"rank {rank} ran its barriers in its buffers' order: {ranks}"
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
@@ -588,9 +588,9 @@ class TestFusedA2ACommBuffers:
         Utils.initialize_model_parallel(expert_model_parallel_size=8)
         group = parallel_state.get_expert_model_parallel_group()
         buffer = fused_a2a.get_buffer(group, HIDDEN_SIZE * 2)
-        assert getattr(buffer, "explicitly_destroy", False), (
-            "get_buffer() built the DeepEP buffer without explicitly_destroy=True"
-        )
+        assert getattr(
+            buffer, "explicitly_destroy", False
+        ), "get_buffer() built the DeepEP buffer without explicitly_destroy=True"
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
@@ -604,9 +604,9 @@ class TestFusedA2ACommBuffers:
         fused_a2a.get_buffer(group, HIDDEN_SIZE)
         fused_a2a.get_buffer(group, HIDDEN_SIZE * 2)  # larger: a replacement
         assert events[0] == "create 0" and events[-1].startswith("create 1"), events
-        assert events[-1] == "create 1", (
-            f"the old DeepEP buffer was still live when its replacement was created: {events}"
-        )
+        assert (
+            events[-1] == "create 1"
+        ), f"the old DeepEP buffer was still live when its replacement was created: {events}"
         if self._explicitly_destroy_supported():
             assert events == ["create 0", "destroy 0", "create 1"], events
 
@@ -624,7 +624,8 @@ class TestFusedA2ACommBuffers:
         buffer = fused_a2a.get_buffer(group, HIDDEN_SIZE * 2)
         fused_a2a.reset_fused_a2a_buffers()
         assert fused_a2a._buffer is None
-        assert events == ["create 0", "destroy 0"], (
-            f"reset_fused_a2a_buffers() did not destroy() the DeepEP buffer: {events}"
-        )
+        assert events == [
+            "create 0",
+            "destroy 0",
+        ], f"reset_fused_a2a_buffers() did not destroy() the DeepEP buffer: {events}"
         del buffer
