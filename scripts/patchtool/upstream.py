@@ -336,10 +336,95 @@ def topic_test_files(topic: str, root: Path = REPO_ROOT) -> dict[str, bytes]:
     return files
 
 
-def export_test_files(topic: str, series: list, root: Path = REPO_ROOT) -> dict[str, bytes]:
+# What the shared upstream-layout tests carry for older release branches only, and what they
+# read on every other target: (file name, the branches that need the shim, the shim, what
+# replaces it). The export to any other target writes the replacement, so main's and dev's
+# PRs carry no release-branch code; a shim no longer found is an error naming it.
+_SPEC_SHIM = (
+    "\ntry:\n"
+    "    from megatron.core.transformer.spec_utils import get_submodules\n"
+    "except ImportError:  # core_r0.16.0: an MoE spec is a ModuleSpec\n"
+    "    from operator import attrgetter\n\n"
+    '    get_submodules = attrgetter("submodules")\n'
+)
+_SPEC_IMPORT = "from megatron.core.transformer.spec_utils import get_submodules\n"
+TEST_SHIMS = [
+    ("test_token_dispatcher_state_release.py", ("core_r0.16.0",), _SPEC_SHIM, ""),
+    (
+        "test_token_dispatcher_state_release.py", ("core_r0.16.0",),
+        "from megatron.core.transformer.transformer_config import TransformerConfig\n",
+        _SPEC_IMPORT
+        + "from megatron.core.transformer.transformer_config import TransformerConfig\n",
+    ),
+    ("test_fused_a2a_release_comm_buffers.py", ("core_r0.16.0",), _SPEC_SHIM, ""),
+    (
+        "test_fused_a2a_release_comm_buffers.py", ("core_r0.16.0",),
+        "from megatron.core.transformer.transformer_config import TransformerConfig\n",
+        _SPEC_IMPORT
+        + "from megatron.core.transformer.transformer_config import TransformerConfig\n",
+    ),
+    (
+        "test_token_dispatcher_state_release.py", ("core_r0.16.0",),
+        "    @pytest.mark.skipif(\n"
+        "        # core_r0.16.0's is_te_min_version raises without Transformer Engine\n"
+        '        get_te_version() is None or not is_te_min_version("2.1.0"),\n'
+        '        reason="moe_permute_fusion needs TE 2.1",\n'
+        "    )\n",
+        '    @pytest.mark.skipif(not is_te_min_version("2.1.0"), reason="moe_permute_fusion needs '
+        'TE 2.1")\n',
+    ),
+    (
+        "test_token_dispatcher_state_release.py", ("core_r0.16.0",),
+        "from megatron.core.utils import get_te_version, is_te_min_version\n",
+        "from megatron.core.utils import is_te_min_version\n",
+    ),
+    (
+        "test_token_dispatcher_state_release.py", ("core_r0.16.0", "core_r0.17.0"),
+        "        try:\n"
+        '            layer = build_flex_layer("hybridep", recompute=True, '
+        "**SHARED_EXPERTS_OVERLAP)\n"
+        "        except ValueError as exc:\n"
+        "            # Up to core_r0.17.0 the shared-expert overlap is the all-to-all "
+        "dispatcher's only.\n"
+        '            if "only works with alltoall token dispatcher" not in str(exc):\n'
+        "                raise\n"
+        '            pytest.skip(f"this branch has no flex shared-expert overlap ({exc})")\n',
+        '        layer = build_flex_layer("hybridep", recompute=True, **SHARED_EXPERTS_OVERLAP)\n',
+    ),
+    (
+        "test_fused_a2a_release_comm_buffers.py", ("core_r0.16.0", "core_r0.17.0"),
+        "                # By keyword: core_r0.17.0 requires these three, later branches default "
+        "them.\n",
+        "",
+    ),
+]  # fmt: skip
+
+
+def without_shims(files: dict[str, bytes], target: str) -> dict[str, bytes]:
+    """The upstream-layout test files as the export to ``target`` writes them: the release-branch
+    shims of :data:`TEST_SHIMS` that ``target`` does not need replaced."""
+    out = dict(files)
+    for name, branches, shim, replacement in TEST_SHIMS:
+        if target in branches:
+            continue
+        for path in [p for p in out if p.rsplit("/", 1)[-1] == name]:
+            text = out[path].decode()
+            if shim not in text:
+                raise UserError(
+                    f"{path}: the release-branch shim for {', '.join(branches)} is gone "
+                    f"(patchtool/upstream.py TEST_SHIMS: {shim.strip().splitlines()[0]!r})"
+                )
+            out[path] = text.replace(shim, replacement, 1).encode()
+    return out
+
+
+def export_test_files(
+    topic: str, series: list, root: Path = REPO_ROOT, target: Optional[str] = None
+) -> dict[str, bytes]:
     """The upstream-layout test files a PR of ``topic`` adds on a target whose topic series is
     ``series``: none where the series is empty (no tests-only PR), and a file of
-    :data:`TEST_REQUIRES` only where the series changes the module it tests."""
+    :data:`TEST_REQUIRES` only where the series changes the module it tests; with ``target``,
+    without the shims it does not need (:func:`without_shims`)."""
     if not series:
         return {}
     touched = {fp.path for name, data in series for fp in parse_patch(data, name).files}
@@ -348,15 +433,16 @@ def export_test_files(topic: str, series: list, root: Path = REPO_ROOT) -> dict[
         module = TEST_REQUIRES.get(path.rsplit("/", 1)[-1])
         return module is None or module in touched
 
-    return {p: d for p, d in topic_test_files(topic, root).items() if wanted(p)}
+    files = {p: d for p, d in topic_test_files(topic, root).items() if wanted(p)}
+    return without_shims(files, target) if target else files
 
 
 def _tests_patch(
-    topic: str, series: list, root: Path = REPO_ROOT
+    topic: str, series: list, root: Path = REPO_ROOT, target: Optional[str] = None
 ) -> Optional[tuple[str, str, bytes]]:
     """(subject, message, diff) of the patch adding ``topic``'s upstream-layout tests (those of
     the three PRs for ``memory``) on a target whose topic series is ``series``, or None."""
-    files = export_test_files(topic, series, root)
+    files = export_test_files(topic, series, root, target)
     if not files:
         return None
     message = UPSTREAM_TESTS_MESSAGE
@@ -398,7 +484,7 @@ def export_upstream(
             )
     name, email = ident
     last_date = parse_patch(series[-1][1], series[-1][0]).date if series else ""
-    tests = _tests_patch(topic, series, root)
+    tests = _tests_patch(topic, series, root, target)
     total = len(series) + (1 if tests else 0)
     try:
         staged = Path(tempfile.mkdtemp(prefix=f".{outdir.name}.tmp-", dir=outdir.parent))

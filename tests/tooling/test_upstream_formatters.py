@@ -5,6 +5,7 @@ tools/autoformat.sh runs them: black 26.3.0 and isort 5.13.2 (Megatron-LM pyproj
 d98e8a6: ``[tool.black]`` line length 100, no string normalization, no magic trailing comma;
 ``[tool.isort]`` black profile, line length 100, Python 3.12, megatron first party)."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -66,3 +67,28 @@ def test_files_the_series_changes_stay_as_black_found_them(tmp_path, base, base_
         done = _formatted(BLACK, after)
         assert done.returncode == 0, f"black would reformat {rel} after the series"
     assert checked >= 3, "upstream's files were not black-clean: nothing was checked"
+
+
+@pytest.mark.parametrize(
+    "target,shims",
+    [("main", 0), ("dev", 0), ("core_r0.19.0", 0), ("core_r0.18.0", 0), ("core_r0.16.0", 5)],
+)
+def test_exported_tests_carry_only_their_branchs_shims(tmp_path, target, shims):
+    """The export writes the shared upstream-layout tests without the shims of older release
+    branches (main's and dev's PRs name no release branch), and what it writes still passes
+    black and isort."""
+    from patchtool.upstream import export_test_files, target_series, topic_series
+
+    series = topic_series(target_series(target), "memory")
+    files = export_test_files("memory", series, target=target)
+    assert files
+    found = 0
+    for rel, data in files.items():
+        text = data.decode()
+        found += len(re.findall(r"core_r0\.1\d", text))
+        path = tmp_path / rel.rsplit("/", 1)[-1]
+        path.write_text(text)
+        for tool in (BLACK, ISORT):
+            done = _formatted(tool, path)
+            assert done.returncode == 0, f"{target}: {tool[2]} would change {rel}:\n{done.stderr}"
+    assert found == shims, f"{target}: {found} mentions of a release branch in its tests"
