@@ -21,6 +21,9 @@ emulation):
   sets ``_hybrid_ep_buffer`` and ``_buffer`` to None with ``monkeypatch.setattr``): None means
   the next dispatch makes a buffer, a restored buffer is the one the next dispatch uses.
 
+* OpenPipe ART's own release of the dispatcher caches on top of the series' (a second release:
+  harmless, bitwise the same steps).
+
 The unpatched base passes all of it (its single module global); so must every series.
 """
 
@@ -199,3 +202,87 @@ def test_fixture_save_and_restore(dist_job, patched_tree, backend):
             "restored_is_used": True,
             "buffers_made": 2,
         }, (rank, out)
+
+
+def _art_dispatcher_cache_release(dispatcher) -> None:
+    """OpenPipe ART's own release of the dispatcher caches, installed per dispatcher as
+    ``_configure_moe_dispatcher_caches`` installs it (``src/art/trainer_rank/_impl.py``, with
+    ``_moe_dispatch_preprocess``, ``_moe_combine_postprocess``, ``_release_hybridep_state`` and
+    ``_hybridep_combine_postprocess``): the all-to-all's ``probs`` cut to an empty tensor after
+    dispatch_preprocess and its routing map and reversed permutation mapping dropped after
+    combine_postprocess; the HybridEP manager's routing map, token probs and dispatched probs
+    dropped after combine_postprocess."""
+    from megatron.core.transformer.moe.token_dispatcher import (
+        MoEAlltoAllTokenDispatcher,
+        MoEFlexTokenDispatcher,
+        _HybridEPManager,
+    )
+
+    cls = type(dispatcher)
+
+    def dispatch_preprocess(hidden_states, routing_map, probs):
+        result = cls.dispatch_preprocess(dispatcher, hidden_states, routing_map, probs)
+        dispatcher.probs = probs.new_empty(0)
+        return result
+
+    def combine_postprocess(hidden_states):
+        result = cls.combine_postprocess(dispatcher, hidden_states)
+        dispatcher.routing_map = None
+        dispatcher.reversed_local_input_permutation_mapping = None
+        return result
+
+    def hybridep_combine_postprocess(hidden_states):
+        result = cls.combine_postprocess(dispatcher, hidden_states)
+        manager = dispatcher._comm_manager
+        manager.routing_map = manager.token_probs = manager.dispatched_probs = None
+        return result
+
+    if cls is MoEFlexTokenDispatcher and type(dispatcher._comm_manager) is _HybridEPManager:
+        dispatcher.combine_postprocess = hybridep_combine_postprocess
+    elif cls is MoEAlltoAllTokenDispatcher:
+        dispatcher.dispatch_preprocess = dispatch_preprocess
+        dispatcher.combine_postprocess = combine_postprocess
+    else:
+        raise AssertionError(f"ART wraps no {cls.__name__}")
+
+
+def rank_art_release_on_top(dispatcher: str, art: bool, recompute: bool):
+    """Two training steps of one MoELayer (EP=2), with or without ART's own release on top."""
+    from cpu_runtime.moe_harness import build_moe_layer, init_megatron, moe_config
+
+    init_megatron(ep=dist.get_world_size())
+    extra = {} if dispatcher == "flex" else {"moe_token_dispatcher_type": dispatcher}
+    torch.manual_seed(7)
+    config = moe_config(
+        "hybridep", dist.get_world_size(), hidden=HIDDEN, recompute=recompute, **extra
+    )
+    layer = build_moe_layer(config)
+    layer.train()
+    if art:
+        _art_dispatcher_cache_release(layer.token_dispatcher)
+    steps = []
+    for seed in (3, 4):
+        out = _step(layer, seed=seed)
+        grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+        layer.zero_grad(set_to_none=True)
+        steps.append({"out": out, "grads": grads})
+    return steps
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["eager", "recompute"])
+@pytest.mark.parametrize("dispatcher", ["alltoall", "flex"])
+def test_art_release_on_top_is_a_harmless_second_release(
+    dist_job, patched_tree, dispatcher, recompute
+):
+    """ART releases the dispatcher caches itself; on a series that already released them its
+    release finds them dropped, and two steps (forward, backward, the layer recomputed or not)
+    are bitwise those without it."""
+    kw = dict(dispatcher=dispatcher, recompute=recompute)
+    plain = dist_job(f"{THIS}:rank_art_release_on_top", 2, patched_tree, art=False, **kw)
+    art = dist_job(f"{THIS}:rank_art_release_on_top", 2, patched_tree, art=True, **kw)
+    for rank, (p, a) in enumerate(zip(plain, art)):
+        for step, (ps, as_) in enumerate(zip(p, a)):
+            assert torch.equal(ps["out"], as_["out"]), (rank, step)
+            assert ps["grads"].keys() == as_["grads"].keys() and ps["grads"], (rank, step)
+            for name in ps["grads"]:
+                assert torch.equal(ps["grads"][name], as_["grads"][name]), (rank, step, name)
