@@ -110,7 +110,36 @@ def run_distributed(
         raise ValueError(f"device must be one of {DEVICES} and backend one of {BACKENDS}")
     if backend == "nccl" and device != "cuda":
         raise ValueError("the nccl backend needs device='cuda'")
-    port = free_port()
+    args = (target, world_size, tree, kwargs, timeout, emulate_deep_ep, torch_compile)
+    for attempt in range(_PORT_ATTEMPTS):
+        try:
+            return _run_once(*args, device, backend, force_emulation, free_port())
+        except DistributedTestError as exc:
+            # The free port was taken by another process before rank 0's store bound it (a
+            # race of free_port(), not a failure of the job): run it again on another port.
+            if "EADDRINUSE" not in str(exc) or attempt == _PORT_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+# Attempts of a job whose rendezvous port was taken before rank 0 bound it.
+_PORT_ATTEMPTS = 3
+
+
+def _run_once(
+    target: str,
+    world_size: int,
+    tree: str,
+    kwargs: Optional[Dict[str, Any]],
+    timeout: float,
+    emulate_deep_ep: bool,
+    torch_compile: bool,
+    device: str,
+    backend: str,
+    force_emulation: bool,
+    port: int,
+) -> List[Any]:
+    """One launch of :func:`run_distributed`'s job on ``port``."""
     with tempfile.TemporaryDirectory(prefix="moe_dist_") as tmp:
         job = Path(tmp)
         spec = {

@@ -85,3 +85,26 @@ def test_a_hung_forked_rank_is_killed(patched_tree, monkeypatch, tmp_path):
     assert zygotes and zygotes[-1].proc.poll() is None
     # The killed ranks are gone (reaped by their zygote), the zygote serves the next job.
     assert [r["rank"] for r in _state(patched_tree, "after", monkeypatch, fork=True)] == [0, 1]
+
+
+def test_a_taken_rendezvous_port_is_retried_on_another(patched_tree, monkeypatch):
+    """free_port() can hand out a port another process binds before rank 0's store does
+    (EADDRINUSE at init_process_group): the job runs again on another port, not fails."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    real, ports = launcher.free_port, []
+
+    def racy_free_port():
+        ports.append(taken.getsockname()[1] if not ports else real())
+        return ports[-1]
+
+    monkeypatch.setattr(launcher, "free_port", racy_free_port)
+    try:
+        results = run_distributed(f"{THIS}:rank_state", 2, patched_tree, {"mark": "x"}, timeout=120)
+    finally:
+        taken.close()
+    assert [r["rank"] for r in results] == [0, 1]
+    assert len(ports) == 2 and ports[0] != ports[1], ports
