@@ -447,6 +447,7 @@ def rank_teardown_with_a_stuck_peer(backend: str, bound: float):
         "elapsed": elapsed,
         "held": len(held_comm_buffers(fused_a2a)),
         "alive": ref() is not None,
+        "parked": any(b is ref() for b in getattr(fused_a2a, "_abandoned_comm_buffers", [])),
         "warnings": list(warnings),
     }
     dist.barrier()
@@ -457,8 +458,9 @@ def rank_teardown_with_a_stuck_peer(backend: str, bound: float):
 @pytest.mark.parametrize("backend", WAITING_BACKENDS)
 def test_teardown_with_a_stuck_peer_returns_within_its_bound(dist_job, patched_tree, backend):
     """A rank that tears down while its peer is stuck in a collective (a test failing on one
-    rank) waits for it at most destroy_model_parallel's bound, then drops its buffers and logs
-    why. The series before this bound hung here until the job's timeout."""
+    rank) waits for it at most destroy_model_parallel's bound, then takes its buffers out of use
+    (kept alive, unfreed) and logs why. The series before this bound hung here until the job's
+    timeout."""
     r0, _ = dist_job(
         f"{THIS}:rank_teardown_with_a_stuck_peer",
         2,
@@ -468,7 +470,9 @@ def test_teardown_with_a_stuck_peer_returns_within_its_bound(dist_job, patched_t
         bound=3.0,
     )
     assert 3.0 <= r0["elapsed"] < 8.0, r0
-    assert r0["held"] == 0 and not r0["alive"], r0
+    # Out of use, but alive and unfreed: a peer's kernels may still write it, and freeing it
+    # would wait for the device or the peers.
+    assert r0["held"] == 0 and r0["alive"] and r0["parked"], r0
     assert any("TimeoutError" in w and "did not reach the release" in w for w in r0["warnings"]), r0
 
 
@@ -496,20 +500,23 @@ def rank_teardown_after_abort(backend: str):
         "elapsed": elapsed,
         "held": len(held_comm_buffers(fused_a2a)),
         "alive": ref() is not None,
+        "parked": any(b is ref() for b in getattr(fused_a2a, "_abandoned_comm_buffers", [])),
         "warnings": list(warnings),
     }
 
 
 @pytest.mark.parametrize("backend", WAITING_BACKENDS)
 def test_teardown_after_an_abort_drops_the_buffers_and_says_so(dist_job, patched_tree, backend):
-    """After the groups were aborted, the teardown returns at once, holds no buffer, and logs
-    why it released them without the collective (the series before swallowed the error)."""
+    """After the groups were aborted, the teardown returns at once, uses no buffer (they are kept
+    alive, unfreed), and logs why it released them without the collective (the series before
+    swallowed the error)."""
     for rank, res in enumerate(
         dist_job(
             f"{THIS}:rank_teardown_after_abort", 2, patched_tree, timeout=90.0, backend=backend
         )
     ):
-        assert res["elapsed"] < 2.0 and res["held"] == 0 and not res["alive"], (rank, res)
+        assert res["elapsed"] < 2.0 and res["held"] == 0, (rank, res)
+        assert res["alive"] and res["parked"], (rank, res)
         assert any("was destroyed" in w for w in res["warnings"]), (rank, res)
 
 
