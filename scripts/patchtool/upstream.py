@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from .common import REPO_ROOT, UserError
-from .git import git, git_env
+from .git import create_edit_repo, format_patches
 from .patches import Patch, parse_patch
 from .pins import Base, load_pins
 from .repo import read_series, read_series_dir
@@ -262,41 +262,19 @@ def target_base(target: str, root: Path = REPO_ROOT) -> Base:
     raise UserError(f"upstream {target}: no base in patches/pins.toml carries its series")
 
 
-def rebase_alone(series: list[tuple[str, bytes]], base_files: dict[str, bytes]) -> list:
-    """``series`` (a part of a stacked series) as it applies to the base without the rest: each
-    diff made again by git on the base's files plus the part's earlier patches, so that its
-    ``index`` lines name blobs a checkout of the base has (or that the export's earlier patches
-    make), which ``git am -3`` needs to fall back to a 3-way merge. A patch that does not apply
-    there without the rest of the series is an error naming it."""
-    paths = sorted({fp.path for name, data in series for fp in parse_patch(data, name).files})
+def rebase_alone(series: list[tuple[str, bytes]], base: Base, base_files: dict[str, bytes]) -> list:
+    """``series`` (a part of a stacked series) as it applies to ``base`` without the rest: each
+    diff made again, as ``edit`` and ``export`` make them (:func:`create_edit_repo`,
+    :func:`format_patches`), so that its ``index`` lines name blobs a checkout of the base has
+    (or that the part's earlier patches make), which ``git am -3`` needs to fall back to a
+    3-way merge. A patch that does not apply there without the rest is an error naming it."""
+    paths = {fp.path for name, data in series for fp in parse_patch(data, name).files}
     with tempfile.TemporaryDirectory(prefix="moe-release-alone-") as tmp:
-        repo = Path(tmp)
-        git(repo, "init", "-q")
-        git(repo, "config", "user.name", "moe-release")  # scratch commits, never exported
-        git(repo, "config", "user.email", "moe-release@localhost")
-        for rel in paths:
-            if rel in base_files:
-                (repo / rel).parent.mkdir(parents=True, exist_ok=True)
-                (repo / rel).write_bytes(base_files[rel])
-        git(repo, "add", "-A")
-        git(repo, "commit", "-q", "--allow-empty", "-m", "base")
-        out = []
-        for name, data in series:
-            start = data.index(b"\ndiff --git ") + 1
-            done = subprocess.run(
-                ["git", "-C", str(repo), "apply", "--index", "--whitespace=nowarn"],
-                input=data[start:], capture_output=True, env=git_env(),
-            )  # fmt: skip
-            if done.returncode != 0:
-                why = done.stderr.decode(errors="replace").strip().splitlines()
-                raise UserError(
-                    f"{name}: does not apply to the base without the series' other patches "
-                    f"({why[0] if why else 'git apply failed'})"
-                )
-            diff = git(repo, "diff", "--cached", "--full-index", "--no-renames", "--no-color")
-            git(repo, "commit", "-q", "-m", name)
-            out.append((name, data[:start] + diff))
-        return out
+        repo = Path(tmp) / "repo"
+        create_edit_repo(repo, base, {p: d for p, d in base_files.items() if p in paths}, series)
+        again = format_patches(repo)
+    cut = lambda data: data.index(b"\ndiff --git ") + 1  # noqa: E731
+    return [(n, d[: cut(d)] + a[cut(a) :]) for (n, d), (_, a) in zip(series, again, strict=True)]
 
 
 def upstream_test_files(root: Path = REPO_ROOT) -> dict[str, bytes]:
@@ -473,10 +451,10 @@ def export_upstream(
     whole = target_series(target, root)
     outdir = check_target_dir(outdir)
     series = topic_series(whole, topic)
-    if len(series) < len(whole):  # a topic without the patches before it: index its own blobs
+    if 0 < len(series) < len(whole):  # a topic without the patches before it: its own blobs
         base = target_base(target, root)
         if available(base):
-            series = rebase_alone(series, read_base_files(base))
+            series = rebase_alone(series, base, read_base_files(base))
         elif notes is not None:
             notes.append(
                 f"index lines name blobs of the whole series, not of {base.name} alone "
