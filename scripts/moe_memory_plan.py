@@ -4,8 +4,8 @@
 """The MoE memory planner's command from this repository: the overlay module
 ``megatron/core/transformer/moe/moe_memory_planner.py`` (standard library only), loaded by path,
 so it runs without a materialized tree. Installed, the same command is
-``python -m megatron.core.transformer.moe.moe_memory_planner``. ``--help`` lists the arguments
-(Megatron's names)."""
+``python -m megatron.core.transformer.moe.moe_memory_planner``. ``--help`` says what each
+argument (Megatron's names) is, its default and its unit, and marks the required ones."""
 
 import importlib.util
 import sys

@@ -23,12 +23,17 @@ Sources. deep_ep is read at ``DEEP_EP_COMMIT``, the head of its ``hybrid-ep`` br
 megatron-core's CI pins (``de0dd11``) was not available to read, so where the two differ these
 figures follow ``DEEP_EP_COMMIT``. Two terms depend on that: the unused all-gather buffer
 (``enable_custom_allgather`` defaults to False at ``DEEP_EP_COMMIT``) and the rounding of rows
-to the combine chunk (since deep_ep 4214430). megatron-core call sites are cited as in
-megatron-core 0.19.2. Terms marked approximate (the DOCA queue pairs of multi-node HybridEP)
-come from a stored NCCL version, not deep_ep's submodule pin. Not modelled: NVSHMEM's own
-memory (DeepEP across more than 8 ranks), the cuMem fabric granularity, NCCL communicators,
-DeepEP's low-latency mode, NCCL EP's leaked device communicator (one cuMem granule per
-bootstrap), and (for the retained state) capacity-factor routing (drop-and-pad keeps other
+to the combine chunk (since deep_ep 4214430). DeepEP's normal mode is also priced at DeepEP
+main (``DEEP_EP_MAIN_COMMIT``, 2.1.0: other dispatch/combine configs, EP 48 and 96) when
+``deep_ep="main"`` is chosen; the plan names the source it priced. Configurations the kernels
+refuse (HybridEP's ``BufferConfig::is_valid``, DeepEP's group sizes and SM count) are refused
+here with the line that refuses them, and HybridEP's chunk-size environment variables are read
+as deep_ep reads them (``atoi``, default 64) for every term they size. megatron-core call sites
+are cited as in megatron-core 0.19.2. Terms marked approximate (the DOCA queue pairs of
+multi-node HybridEP) come from a stored NCCL version, not deep_ep's submodule pin. Not modelled:
+NVSHMEM's own memory (DeepEP across more than 8 ranks), the cuMem fabric granularity, NCCL
+communicators, DeepEP's low-latency mode, NCCL EP's leaked device communicator (one cuMem granule
+per bootstrap), and (for the retained state) capacity-factor routing (drop-and-pad keeps other
 shapes) and the DeepEP v2 and NCCL EP backends, whose buffers are priced
 (:func:`deepep_v2_buffer_terms` at ``DEEP_EP_V2_COMMIT``, :func:`nccl_ep_terms` at
 ``NCCL_EP_COMMIT``) but whose retained state is not.
@@ -37,14 +42,20 @@ Imports only the standard library.
 """
 
 import argparse
+import ast
+import difflib
 import json
 import math
 import os
 import sys
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 DEEP_EP_COMMIT = "94a9f8f6b146c07d97ec58f67cd6d303296d6098"
+# DeepEP main (2.1.0): normal-mode DeepEP only (no HybridEP); its dispatch and combine configs
+# differ from the hybrid-ep branch's (other RDMA chunk sizes, EP 48 and 96 accepted).
+DEEP_EP_MAIN_COMMIT = "dd758caf451848bd150e1046af3d0a73e5fff38d"
+DEEP_EP_SOURCES = {"hybrid-ep": DEEP_EP_COMMIT, "main": DEEP_EP_MAIN_COMMIT}
 # DeepEP v2 (ElasticBuffer, megatron dev's 'deepepv2'): the epv2-release branch.
 DEEP_EP_V2_COMMIT = "018f21ea62c6c2888d9b46806aad6d90b399b23d"
 # NCCL EP (TransformerEngine's NCCL EP API, the 'ncclep' backend): nccl-extensions, as pinned by
@@ -75,7 +86,8 @@ MAX_TOPK = 128  # kNumMaxTopK, kNumMaxScales: csrc/config.hpp:54-55
 DEFAULT_DEEPEP_SMS = 20  # megatron: moe_flex_dispatcher_num_sms or 20 (token_dispatcher.py)
 
 # Buffer.get_dispatch_config / get_combine_config: (nvl_send, nvl_recv, rdma_send, rdma_recv)
-# per group size (deep_ep/buffer.py:240-251 and 268-279); any other size is refused there.
+# per group size (deep_ep/buffer.py:240-251 and 268-279 at DEEP_EP_COMMIT); any other size is
+# refused there.
 DEEPEP_DISPATCH_CONFIGS = {
     2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (36, 288, 20, 128),
     24: (8, 288, 32, 128), 32: (32, 288, 32, 128), 64: (20, 288, 28, 128),
@@ -85,6 +97,59 @@ DEEPEP_COMBINE_CONFIGS = {
     2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128),
     24: (1, 288, 8, 128), 32: (1, 288, 8, 128), 64: (1, 288, 20, 128),
     128: (1, 560, 12, 128), 144: (2, 720, 8, 128), 160: (2, 720, 8, 128),
+}  # fmt: skip
+# The same at DEEP_EP_MAIN_COMMIT (deep_ep/buffers/legacy.py:246-257 and 276-287).
+DEEPEP_MAIN_DISPATCH_CONFIGS = {
+    2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (36, 288, 20, 128),
+    24: (32, 288, 8, 128), 32: (32, 288, 8, 128), 48: (32, 288, 8, 128), 64: (32, 288, 8, 128),
+    96: (20, 480, 12, 128), 128: (20, 560, 12, 128), 144: (32, 720, 12, 128),
+    160: (28, 720, 12, 128),
+}  # fmt: skip
+DEEPEP_MAIN_COMBINE_CONFIGS = {
+    2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128),
+    24: (1, 288, 8, 128), 32: (1, 288, 8, 128), 48: (1, 288, 8, 128), 64: (1, 288, 8, 128),
+    96: (1, 480, 8, 128), 128: (1, 560, 8, 128), 144: (2, 720, 8, 128), 160: (2, 720, 8, 128),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DeepEPSource:
+    """Where one deep_ep source sizes and refuses DeepEP's normal-mode buffer: its configs
+    and the lines that hold them, the SM-count check, the size hints, the buffer's
+    allocations."""
+
+    name: str
+    commit: str
+    dispatch: Dict[int, tuple]
+    combine: Dict[int, tuple]
+    configs_at: str  # get_dispatch_config's table and refusal
+    even_sms_at: str  # Buffer.set_num_sms: assert new_num_sms % 2 == 0
+    nvl_hint_at: str
+    rdma_hint_at: str
+    nvl_alloc_at: str
+    workspace_at: str
+    counters_at: str
+    rdma_counter_at: str
+    destroy_at: str
+    rdma_alloc_at: str
+
+
+DEEPEP_SOURCE = {
+    "hybrid-ep": DeepEPSource(
+        "hybrid-ep", DEEP_EP_COMMIT, DEEPEP_DISPATCH_CONFIGS, DEEPEP_COMBINE_CONFIGS,
+        "deep_ep/buffer.py:252", "deep_ep/buffer.py:160", "csrc/config.hpp:51-73",
+        "csrc/config.hpp:75-103", "csrc/deep_ep.cpp:145-147,171-184", "csrc/deep_ep.cpp:186-188",
+        "csrc/deep_ep.cpp:191-200", "csrc/deep_ep.cpp:202-206", "deep_ep.cpp:299-304",
+        "csrc/deep_ep.cpp:341-356",
+    ),
+    "main": DeepEPSource(
+        "main", DEEP_EP_MAIN_COMMIT, DEEPEP_MAIN_DISPATCH_CONFIGS, DEEPEP_MAIN_COMBINE_CONFIGS,
+        "deep_ep/buffers/legacy.py:259", "deep_ep/buffers/legacy.py:162",
+        "csrc/legacy/config.hpp:53-73", "csrc/legacy/config.hpp:75-99",
+        "csrc/legacy/buffer.hpp:101-103,132-137", "csrc/legacy/buffer.hpp:149-150",
+        "csrc/legacy/buffer.hpp:153-161", "csrc/legacy/buffer.hpp:164-168",
+        "buffer.hpp:326-331", "csrc/legacy/buffer.hpp:268",
+    ),
 }  # fmt: skip
 
 
@@ -120,8 +185,48 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+INT_MAX = 2**31 - 1  # the kernels' configs are C ints
+CHUNK_ENV = {
+    "dispatch": "NUM_OF_TOKENS_PER_CHUNK_DISPATCH_API",
+    "combine": "NUM_OF_TOKENS_PER_CHUNK_COMBINE_API",
+    "preprocessing": "NUM_OF_TOKENS_PER_CHUNK_PREPROCESSING_API",
+}
+
+
+def _atoi(text: str) -> int:
+    """C's ``atoi``: leading whitespace, an optional sign, the digits that follow; 0 if none."""
+    text = text.lstrip(" \t\n\v\f\r")
+    sign, digits = 1, ""
+    if text[:1] and text[0] in "+-":
+        sign, text = (-1 if text[0] == "-" else 1), text[1:]
+    for ch in text:
+        if not "0" <= ch <= "9":
+            break
+        digits += ch
+    return sign * int(digits) if digits else 0
+
+
+def env_chunk(kind: str) -> int:
+    """Tokens per HybridEP chunk of ``kind`` (dispatch, combine, preprocessing), read as deep_ep
+    reads it: ``get_env_int`` is ``atoi`` of the variable, 64 if unset
+    (``csrc/hybrid_ep/config.cuh:197-200``). A value the kernels cannot use (0 or less: the
+    chunk counts divide by it, ``config.cuh:388-391``; beyond a C int) is a ValueError naming
+    the variable."""
+    name = CHUNK_ENV[kind]
+    raw = os.environ.get(name)
+    if raw is None:
+        return DEFAULT_CHUNK
+    value = _atoi(raw)
+    if not 0 < value <= INT_MAX:
+        raise ValueError(
+            f"{name}={raw[:40]!r}: deep_ep reads it with atoi as {value}; the chunk counts divide "
+            "by it (csrc/hybrid_ep/config.cuh:388-391), it must be a positive C int"
+        )
+    return value
+
+
 def _env_chunk(name: str) -> int:
-    return int(os.environ.get(name, DEFAULT_CHUNK))
+    return env_chunk({v: k for k, v in CHUNK_ENV.items()}[name])
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,6 +299,41 @@ class HybridEPLayout:
     def experts(self) -> int:
         """E: the group's expert columns, L x R x n."""
         return self.nvl_experts * self.nodes
+
+
+HYBRIDEP_MAX_TX_DEPTH = 65536  # HYBRID_EP_IB_QP_MAX_TX_DEPTH: csrc/hybrid_ep/config.cuh:18
+HYBRIDEP_MAX_MULTINODE_ROWS = (HYBRIDEP_MAX_TX_DEPTH - 1 - 1) // 3  # config.cuh:36-38: 21,844
+
+
+def hybridep_refusal(layout: HybridEPLayout) -> Optional[str]:
+    """Why deep_ep's ``BufferConfig::is_valid`` (``csrc/hybrid_ep/config.cuh:84-101`` at
+    ``DEEP_EP_COMMIT``; the Configurer throws at ``:393-398``) refuses ``layout``, as
+    ``field: reason (source line)``; None if it accepts it."""
+    lay, src = layout, "deep_ep csrc/hybrid_ep/config.cuh"
+    r, lx = lay.ranks_per_node, lay.local_experts
+    if lay.fp8 and lay.hidden % 512:
+        return (
+            f"hidden_size: HybridEP refuses {lay.hidden} with FP8, not a multiple of 512 ({src}:87)"
+        )
+    if not lay.fp8 and lay.hidden % 16:
+        return f"hidden_size: HybridEP refuses {lay.hidden}, not a multiple of 16 (TMA; {src}:89)"
+    if lx * r % 4:
+        return (
+            f"num_moe_experts: HybridEP refuses {lx} local experts x {r} ranks per NVLink domain "
+            f"= {lx * r}, not a multiple of 4 ({src}:91)"
+        )
+    if lay.chunk_dispatch * r % 4:
+        return (
+            f"{CHUNK_ENV['dispatch']}: HybridEP refuses {lay.chunk_dispatch} tokens per chunk x "
+            f"{r} ranks per NVLink domain, not a multiple of 4 ({src}:93)"
+        )
+    if lay.nodes > 1 and 3 * lay.rows + 1 >= HYBRIDEP_MAX_TX_DEPTH:
+        return (
+            f"tokens_per_rank: HybridEP refuses {lay.rows:,} rows per rank across {lay.nodes} "
+            f"nodes: the IB queue depth 3 x rows + 1 must stay below {HYBRIDEP_MAX_TX_DEPTH}, at "
+            f"most {HYBRIDEP_MAX_MULTINODE_ROWS:,} rows ({src}:28-33)"
+        )
+    return None
 
 
 def hybridep_buffer_terms(layout: HybridEPLayout) -> List[Term]:
@@ -287,15 +427,23 @@ def _hybridep_rdma_terms(lay: HybridEPLayout, tok: int, scales: int) -> List[Ter
 
 
 def hybridep_handle_terms(
-    tokens: int, local_experts: int, ranks_per_node: int, nodes: int, blocking: bool = True
+    tokens: int,
+    local_experts: int,
+    ranks_per_node: int,
+    nodes: int,
+    blocking: bool = True,
+    chunk_preprocessing: Optional[int] = None,
 ) -> List[Term]:
     """The dispatch handle one HybridEP call allocates in PyTorch's allocator, which the
     dispatch's autograd context keeps until backward (``fused_a2a.py`` ``HybridEPDispatch``):
     ``csrc/hybrid_ep/executor/executor.cu`` at ``DEEP_EP_COMMIT``. ``blocking`` (no
-    ``num_permuted_tokens``): the counts are pinned host tensors."""
+    ``num_permuted_tokens``): the dispatched-token count is a pinned host tensor; the raw
+    ``tokens_per_expert`` is on the device either way. ``chunk_preprocessing``: tokens per
+    preprocessing chunk (``NUM_OF_TOKENS_PER_CHUNK_PREPROCESSING_API``, default 64)."""
     g = ranks_per_node * nodes
     src = "executor/executor.cu"
     counts = HOST if blocking else ALLOCATOR
+    chunk = chunk_preprocessing or env_chunk("preprocessing")
     return [
         Term("sparse_to_dense_map", tokens * g * INT32, ALLOCATOR, f"{src}:93-96"),
         Term("rdma_to_attn_map", _up(tokens, 16) * nodes, ALLOCATOR, f"{src}:85,97-99"),
@@ -303,10 +451,12 @@ def hybridep_handle_terms(
         Term("num_dispatched_tokens", INT32, counts, f"{src}:103-109"),
         Term("local_expert_routing_map", tokens * g * local_experts, ALLOCATOR, f"{src}:110-112"),
         Term("overflow_flag", INT32, ALLOCATOR, f"{src}:117-118"),
-        Term("dense_chunk_layout", _cdiv(tokens, 64) * g * INT32, ALLOCATOR, f"{src}:120-123"),
+        Term("dense_chunk_layout", _cdiv(tokens, chunk) * g * INT32, ALLOCATOR,
+             f"{src}:120-123", "chunks of NUM_OF_TOKENS_PER_CHUNK_PREPROCESSING_API"),
         Term("dense_to_expert_map", tokens * g * local_experts * INT32, ALLOCATOR,
              f"{src}:124-126"),
-        Term("tokens_per_expert", local_experts * INT32, counts, f"{src}:128-129"),
+        Term("tokens_per_expert", local_experts * INT32, ALLOCATOR, f"{src}:128-129",
+             "raw int32 counts on the device"),
     ]  # fmt: skip
 
 
@@ -340,34 +490,40 @@ def deepep_rdma_bytes(hidden_bytes: int, group_size: int, num_sms: int, send: in
 
 
 def deepep_buffer_terms(
-    hidden_bytes: int, group_size: int, num_sms: int = DEFAULT_DEEPEP_SMS
+    hidden_bytes: int,
+    group_size: int,
+    num_sms: int = DEFAULT_DEEPEP_SMS,
+    source: str = "hybrid-ep",
 ) -> List[Term]:
     """One rank's ``deep_ep.Buffer`` as megatron-core's ``get_buffer`` builds it: the byte
     hints are the maximum over the dispatch and combine configs for the group
     (``fused_a2a.py`` ``get_buffer``), so the size does not depend on the token count.
-    ``hidden_bytes`` is ``H x max(element size, 2)`` (``fused_a2a.py`` ``get_hidden_bytes``)."""
-    if group_size not in DEEPEP_DISPATCH_CONFIGS:
+    ``hidden_bytes`` is ``H x max(element size, 2)`` (``fused_a2a.py`` ``get_hidden_bytes``).
+    ``source`` is the deep_ep read (:data:`DEEPEP_SOURCE`): ``hybrid-ep`` (``DEEP_EP_COMMIT``)
+    or ``main`` (``DEEP_EP_MAIN_COMMIT``), whose configs differ. A group size the source has no
+    config for is a ValueError citing the line that refuses it."""
+    src = DEEPEP_SOURCE[source]
+    if group_size not in src.dispatch:
         raise ValueError(
-            f"DeepEP has no config for {group_size} ranks (deep_ep/buffer.py:252 accepts "
-            f"{sorted(DEEPEP_DISPATCH_CONFIGS)})"
+            f"DeepEP has no config for {group_size} ranks ({src.configs_at} accepts "
+            f"{sorted(src.dispatch)})"
         )
-    configs = (DEEPEP_DISPATCH_CONFIGS[group_size], DEEPEP_COMBINE_CONFIGS[group_size])
+    configs = (src.dispatch[group_size], src.combine[group_size])
     nvl = max(deepep_nvl_bytes(hidden_bytes, group_size, num_sms, c[1]) for c in configs)
     rdma = max(deepep_rdma_bytes(hidden_bytes, group_size, num_sms, c[2], c[3]) for c in configs)
     t = [
-        Term("NVLink buffer (num_nvl_bytes)", nvl, OUTSIDE, "csrc/config.hpp:51-73",
-             "one cudaMalloc shared over CUDA IPC (csrc/deep_ep.cpp:145-147,171-184)"),
-        Term("NVLink barrier signals and pointers", DEEPEP_NVL_META, OUTSIDE,
-             "csrc/deep_ep.cpp:171-184"),
-        Term("workspace", DEEPEP_WORKSPACE, OUTSIDE, "csrc/deep_ep.cpp:186-188"),
+        Term("NVLink buffer (num_nvl_bytes)", nvl, OUTSIDE, src.nvl_hint_at,
+             f"one cudaMalloc shared over CUDA IPC ({src.nvl_alloc_at})"),
+        Term("NVLink barrier signals and pointers", DEEPEP_NVL_META, OUTSIDE, src.nvl_alloc_at),
+        Term("workspace", DEEPEP_WORKSPACE, OUTSIDE, src.workspace_at),
         Term("receive counters (token, per local expert)", 8 + 4 * 1024, HOST,
-             "csrc/deep_ep.cpp:191-200", "freed by destroy() (deep_ep.cpp:299-304)"),
-        Term("RDMA receive counter", 4, HOST, "csrc/deep_ep.cpp:202-206",
-             "destroy() does not free it (deep_ep.cpp:299-304)", released=False),
+             src.counters_at, f"freed by destroy() ({src.destroy_at})"),
+        Term("RDMA receive counter", 4, HOST, src.rdma_counter_at,
+             f"destroy() does not free it ({src.destroy_at})", released=False),
     ]  # fmt: skip
     if rdma:
-        t.append(Term("RDMA buffer (num_rdma_bytes)", rdma, OUTSIDE, "csrc/config.hpp:75-103",
-                      "NVSHMEM symmetric heap (csrc/deep_ep.cpp:341-356); NVSHMEM's own "
+        t.append(Term("RDMA buffer (num_rdma_bytes)", rdma, OUTSIDE, src.rdma_hint_at,
+                      f"NVSHMEM symmetric heap ({src.rdma_alloc_at}); NVSHMEM's own "
                       "memory is not modelled"))  # fmt: skip
     return t
 
@@ -522,9 +678,14 @@ class LayerShape:
         this rank's experts) under uniform top-k routing."""
         if self.received_tokens is not None:
             return self.received_tokens
-        miss = math.comb(self.experts - self.local_experts, self.topk) / math.comb(
-            self.experts, self.topk
-        )
+        e, lx, k = self.experts, self.local_experts, self.topk
+        if k <= 64:
+            miss = math.comb(e - lx, k) / math.comb(e, k)
+        elif e - lx < k:
+            miss = 0.0
+        else:  # the same ratio through lgamma: comb of a large top-k would take too long
+            lg = math.lgamma
+            miss = math.exp(lg(e - lx + 1) - lg(e - lx - k + 1) - lg(e + 1) + lg(e - k + 1))
         return math.ceil(self.tokens * self.group * (1 - miss))
 
 
@@ -553,7 +714,14 @@ def retained_state_terms(
             Term("routing_map [T, E] bool", t * e, ALLOCATOR, f"{where}.setup_metadata"),
             Term("token_probs [T, E] fp32", t * e * FP32, ALLOCATOR, f"{where}.dispatch"),
             Term("dispatched_probs [P] fp32", p * FP32, ALLOCATOR, f"{where}.dispatch"),
-            Term("tokens_per_expert [L] int64", lx * INT64, ALLOCATOR, f"{where}.dispatch"),
+            Term(
+                "tokens_per_expert [L] int64",
+                lx * INT64,
+                HOST,
+                f"{where}.dispatch",
+                "deep_ep's padded_tokens_per_expert, pinned when blocking "
+                "(executor/executor.cu:155-158)",
+            ),
         ]
         ranks_per_node = g // nodes
         for term in hybridep_handle_terms(t, lx, ranks_per_node, nodes):
@@ -635,7 +803,10 @@ class MoEMemoryConfig:
     an MoE layer's dispatcher receives per call with sequence parallelism. ``ranks_per_node`` is
     the NVLink domain HybridEP detects (8 on an HGX node); the group spans
     ``ceil(ETP x EP / ranks_per_node)`` of them. ``routed_rows_factor`` scales the rows a rank's
-    experts receive against balanced routing (T x top-k).
+    experts receive against balanced routing (T x top-k), at most EP (every routed pair of the
+    group on one rank). ``moe_layer_freq`` is Megatron's: N (layer i is MoE when i % N == 0), a
+    0/1 list of ``num_layers`` entries, or a pattern string such as ``"([0]*3+[1]*58)"``
+    (stored as the tuple). ``deep_ep`` names the deep_ep source priced (:data:`DEEP_EP_SOURCES`).
     """
 
     hidden_size: int
@@ -649,7 +820,7 @@ class MoEMemoryConfig:
     pipeline_model_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None
-    moe_layer_freq: int = 1
+    moe_layer_freq: Union[int, Tuple[int, ...]] = 1
     moe_token_dispatcher_type: str = "allgather"
     moe_flex_dispatcher_backend: str = "deepep"
     moe_flex_dispatcher_num_sms: Optional[int] = None
@@ -663,8 +834,12 @@ class MoEMemoryConfig:
     tokens_per_rank: Optional[int] = None
     ranks_per_node: int = 8
     routed_rows_factor: float = 1.0
+    deep_ep: str = "hybrid-ep"
 
     def __post_init__(self):
+        object.__setattr__(
+            self, "moe_layer_freq", parse_moe_layer_freq(self.moe_layer_freq, self.num_layers)
+        )
         for name in (
             "hidden_size",
             "num_moe_experts",
@@ -675,7 +850,6 @@ class MoEMemoryConfig:
             "context_parallel_size",
             "pipeline_model_parallel_size",
             "expert_model_parallel_size",
-            "moe_layer_freq",
             "moe_hybridep_num_sms_preprocessing",
             "ranks_per_node",
         ):
@@ -705,8 +879,18 @@ class MoEMemoryConfig:
                 f"of {', '.join(FLEX_BACKENDS)}"
             )
         factor = self.moe_expert_rank_capacity_factor
-        if factor is not None and not (isinstance(factor, (int, float)) and factor > 0):
-            raise ValueError(f"moe_expert_rank_capacity_factor: must be positive, got {factor}")
+        if factor is not None and not (_real(factor) and factor > 0):
+            raise ValueError(f"moe_expert_rank_capacity_factor: must be positive, got {factor!r}")
+        for name in ("bf16", "moe_ncclep_zero_copy"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        modules = self.recompute_modules
+        if not isinstance(modules, (list, tuple)) or not all(isinstance(m, str) for m in modules):
+            raise ValueError(f"recompute_modules: must be a list of module names, got {modules!r}")
+        if self.deep_ep not in DEEP_EP_SOURCES:
+            raise ValueError(
+                f"deep_ep: {self.deep_ep!r} is not one of {', '.join(DEEP_EP_SOURCES)}"
+            )
         if self.moe_router_dtype not in (None, "fp32", "fp64"):
             raise ValueError(
                 f"moe_router_dtype: {self.moe_router_dtype!r} is not one of fp32, fp64"
@@ -733,8 +917,18 @@ class MoEMemoryConfig:
                 f"ranks_per_node: {self.ranks_per_node} does not divide the dispatcher group "
                 f"of {self.group_size} ranks (ETP x EP)"
             )
-        if not self.routed_rows_factor > 0:
-            raise ValueError(f"routed_rows_factor: must be positive, got {self.routed_rows_factor}")
+        rf = self.routed_rows_factor
+        if not (_real(rf) and 0 < rf <= self.expert_model_parallel_size):
+            raise ValueError(
+                f"routed_rows_factor: must be a number above 0 and at most EP "
+                f"({self.expert_model_parallel_size}: every routed pair of the group on one rank), "
+                f"got {rf!r}"
+            )
+        if factor is not None and factor * self.tokens * self.moe_router_topk >= 2**63:
+            raise ValueError(
+                f"moe_expert_rank_capacity_factor: {factor!r} x {self.tokens} tokens x top-"
+                f"{self.moe_router_topk} overflows NCCL EP's 64-bit receive capacity"
+            )
 
     @property
     def etp(self) -> int:
@@ -759,9 +953,14 @@ class MoEMemoryConfig:
 
     @property
     def moe_layers_per_rank(self) -> int:
-        """MoE layers of this rank's pipeline stage (every ``moe_layer_freq``-th layer)."""
+        """MoE layers of the pipeline stage that holds the most (layers split evenly over the
+        stages; layer i is MoE when ``moe_layer_freq`` says so: ``i % N == 0``, or the list's
+        entry, as ``gpt_layer_specs.py`` reads it)."""
         layers = self.num_layers // self.pipeline_model_parallel_size
-        return _cdiv(layers, self.moe_layer_freq)
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):  # the first stage holds layer 0 and the most multiples of N
+            return _cdiv(layers, freq)
+        return max(sum(freq[i : i + layers]) for i in range(0, self.num_layers, layers))
 
     @property
     def recompute(self) -> str:
@@ -776,6 +975,92 @@ class MoEMemoryConfig:
 def _positive(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+    if value > INT_MAX:
+        raise ValueError(f"{name}: must be at most {INT_MAX:,} (a C int), got {value:,}")
+
+
+def _real(value) -> bool:
+    """A finite int or float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+MAX_PATTERN_LAYERS = 1 << 20  # a moe_layer_freq pattern longer than this is no model's
+GPT_LAYER_SPECS = "megatron/core/models/gpt/gpt_layer_specs.py"
+
+
+def _eval_pattern(text: str) -> list:
+    """A Megatron pattern string (``"([0]*3+[1]*58)"``, ``"[1,0]*4"``) read without ``eval``: only
+    lists of integers, ``+``, ``*`` by an integer and parentheses (what arguments.py's
+    ``moe_freq_type`` accepts in practice)."""
+
+    def ev(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            return [ev(e) for e in node.elts]
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -ev(node.operand)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            a, b = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Add) and type(a) is type(b):
+                return a + b
+            if isinstance(node.op, ast.Mult):
+                n, seq = (a, b) if isinstance(a, int) else (b, a)
+                if isinstance(n, int) and isinstance(seq, list):
+                    if len(seq) * max(n, 0) > MAX_PATTERN_LAYERS:
+                        raise ValueError("longer than any model")
+                    return seq * n
+                if isinstance(a, int) and isinstance(b, int) and abs(a * b) <= MAX_PATTERN_LAYERS:
+                    return a * b
+        raise ValueError("only lists of 0/1, + and * by an integer are read")
+
+    if len(text) > 65536:
+        raise ValueError("longer than any model")
+    try:
+        value = ev(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, RecursionError, MemoryError) as exc:
+        raise ValueError(type(exc).__name__) from None
+    if not isinstance(value, list):
+        raise ValueError("not a list")
+    return value
+
+
+def parse_moe_layer_freq(value, num_layers) -> Union[int, Tuple[int, ...]]:
+    """Megatron's ``moe_layer_freq`` as an int N or a tuple of 0/1 per layer: an int, a list, a
+    string of an int, or a pattern string (arguments.py ``moe_freq_type``). ValueError names
+    the field and never echoes a whole list."""
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    if isinstance(value, str):
+        text = value.strip()
+        if "[" in text:
+            try:
+                value = _eval_pattern(text)
+            except ValueError as exc:
+                raise ValueError(f"moe_layer_freq: cannot read {shown}: {exc}") from None
+        else:
+            try:
+                value = int(text)
+            except ValueError:
+                raise ValueError(
+                    f"moe_layer_freq: {shown} is neither an integer nor a pattern such as "
+                    "'([0]*3+[1]*58)'"
+                ) from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        _positive("moe_layer_freq", value)
+        return value
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(
+            f"moe_layer_freq: must be an integer, a 0/1 list or a pattern string, got {shown}"
+        )
+    if any(type(v) is not int or v not in (0, 1) for v in value):
+        bad = next(v for v in value if type(v) is not int or v not in (0, 1))
+        raise ValueError(f"moe_layer_freq: entries are 0 (dense) or 1 (MoE), got {bad!r}")
+    if isinstance(num_layers, int) and len(value) != num_layers:
+        raise ValueError(
+            f"moe_layer_freq: the pattern has {len(value)} entries for {num_layers} layers; "
+            f"megatron needs one per layer ({GPT_LAYER_SPECS}:653)"
+        )
+    return tuple(value)
 
 
 def layer_shape(cfg: MoEMemoryConfig) -> LayerShape:
@@ -807,6 +1092,8 @@ def hybridep_layout(cfg: MoEMemoryConfig, rows: Optional[int] = None) -> HybridE
         ranks_per_node=r,
         nodes=g // r,
         rows=hybridep_rows(cfg.tokens) if rows is None else rows,
+        chunk_dispatch=env_chunk("dispatch"),
+        chunk_combine=env_chunk("combine"),
         blocks_preprocessing=cfg.moe_hybridep_num_sms_preprocessing,
         blocks_dispatch=cfg.moe_flex_dispatcher_num_sms,
         blocks_combine=cfg.moe_flex_dispatcher_num_sms,
@@ -817,6 +1104,12 @@ def buffer_terms(cfg: MoEMemoryConfig) -> List[Term]:
     """The communication buffers ``cfg``'s dispatcher allocates (flex only)."""
     if cfg.moe_token_dispatcher_type != "flex":
         return []
+    backend = cfg.moe_flex_dispatcher_backend
+    if cfg.deep_ep != "hybrid-ep" and backend != "deepep":
+        where = {"hybridep": "HybridEP is on deep_ep's hybrid-ep branch only",
+                 "deepepv2": f"DeepEP v2 is priced at epv2-release {DEEP_EP_V2_COMMIT[:7]} only",
+                 "ncclep": "NCCL EP does not use deep_ep"}[backend]  # fmt: skip
+        raise ValueError(f"deep_ep: {cfg.deep_ep!r} applies to the deepep backend; {where}")
     if cfg.moe_flex_dispatcher_backend == "deepepv2":
         return deepep_v2_buffer_terms(cfg.group_size, cfg.tokens, cfg.hidden_size,
                                       cfg.moe_router_topk)  # fmt: skip
@@ -833,12 +1126,29 @@ def buffer_terms(cfg: MoEMemoryConfig) -> List[Term]:
         # fused_a2a.get_hidden_bytes: H x max(element size, 2).
         hidden_bytes = cfg.hidden_size * max(BF16 if cfg.bf16 else FP32, 2)
         try:
-            return deepep_buffer_terms(hidden_bytes, cfg.group_size, sms)
+            return deepep_buffer_terms(hidden_bytes, cfg.group_size, sms, cfg.deep_ep)
         except ValueError as exc:
             raise ValueError(
                 f"expert_model_parallel_size: ETP x EP = {cfg.group_size}: {exc}"
             ) from None
     return hybridep_buffer_terms(hybridep_layout(cfg))
+
+
+def kernel_refusal(cfg: MoEMemoryConfig) -> Optional[str]:
+    """Why the kernels of ``cfg``'s flex backend refuse it, as ``field: reason (source line)``;
+    None if they accept it. DeepEP: an odd SM count (megatron passes it to
+    ``Buffer.set_num_sms``, token_dispatcher.py:1434); HybridEP: :func:`hybridep_refusal`. (The
+    sizing functions do not refuse: the CPU emulation runs shapes the kernels would not.)"""
+    if cfg.moe_token_dispatcher_type != "flex":
+        return None
+    if cfg.moe_flex_dispatcher_backend == "deepep":
+        sms = cfg.moe_flex_dispatcher_num_sms or DEFAULT_DEEPEP_SMS
+        if sms % 2:
+            src = DEEPEP_SOURCE[cfg.deep_ep].even_sms_at
+            return f"moe_flex_dispatcher_num_sms: DeepEP refuses an odd SM count, got {sms} ({src})"
+    if cfg.moe_flex_dispatcher_backend == "hybridep":
+        return hybridep_refusal(hybridep_layout(cfg))
+    return None
 
 
 def hybridep_growth(cfg: MoEMemoryConfig, held_rows: Optional[int]) -> Dict[str, object]:
@@ -853,6 +1163,9 @@ def hybridep_growth(cfg: MoEMemoryConfig, held_rows: Optional[int]) -> Dict[str,
     else:
         needed = hybridep_rows_after(held_rows, cfg.tokens)
     grows = held_rows is None or needed > held_rows
+    refusal = hybridep_refusal(hybridep_layout(cfg, needed))
+    if refusal:
+        raise ValueError(refusal)
     new = total(hybridep_buffer_terms(hybridep_layout(cfg, needed)), OUTSIDE) if grows else 0
     old = total(hybridep_buffer_terms(hybridep_layout(cfg, held_rows)), OUTSIDE) if held_rows else 0
     return {
@@ -917,7 +1230,11 @@ def measured_retained_bytes(dispatcher) -> int:
 def plan(cfg: MoEMemoryConfig, held_rows: Optional[int] = None) -> Dict[str, object]:
     """Every MoE memory term of ``cfg`` on one rank, base (unpatched megatron-core) beside
     patched (this series), as one JSON-able dict; for HybridEP also what a call grows against
-    a buffer of ``held_rows`` per rank already held."""
+    a buffer of ``held_rows`` per rank already held. A configuration the kernels refuse is a
+    ValueError citing the line that refuses it (:func:`kernel_refusal`)."""
+    refusal = kernel_refusal(cfg)
+    if refusal:
+        raise ValueError(refusal)
     shape = layer_shape(cfg)
     flex = cfg.moe_token_dispatcher_type == "flex"
     backend = cfg.moe_flex_dispatcher_backend if flex else None
@@ -942,7 +1259,8 @@ def plan(cfg: MoEMemoryConfig, held_rows: Optional[int] = None) -> Dict[str, obj
             "routed_rows": shape.routed_rows,
             "moe_layers_per_rank": layers,
             "recompute": shape.recompute,
-            "deep_ep_commit": DEEP_EP_COMMIT,
+            "deep_ep_source": cfg.deep_ep,
+            "deep_ep_commit": DEEP_EP_SOURCES[cfg.deep_ep],
             "deep_ep_v2_commit": DEEP_EP_V2_COMMIT,
             "nccl_ep_commit": NCCL_EP_COMMIT,
         },
@@ -956,7 +1274,7 @@ def plan(cfg: MoEMemoryConfig, held_rows: Optional[int] = None) -> Dict[str, obj
             "retained_per_layer_base": per_layer,
             "retained_per_layer_patched": 0 if modelled else None,
             "retained_between_calls_base": (
-                per_layer * layers + total(chain) * (layers - 1) if modelled else None
+                per_layer * layers + total(chain) * max(layers - 1, 0) if modelled else None
             ),
             "retained_between_calls_patched": 0 if modelled else None,
         },
@@ -972,42 +1290,146 @@ def plan(cfg: MoEMemoryConfig, held_rows: Optional[int] = None) -> Dict[str, obj
 # --------------------------------------------------------------------------------------------
 # The command
 
-# Command-line flag (Megatron's argument names) -> MoEMemoryConfig field.
-FLAGS = {
-    "--hidden-size": "hidden_size",
-    "--num-experts": "num_moe_experts",
-    "--moe-router-topk": "moe_router_topk",
-    "--num-layers": "num_layers",
-    "--seq-length": "seq_length",
-    "--micro-batch-size": "micro_batch_size",
-    "--tensor-model-parallel-size": "tensor_model_parallel_size",
-    "--context-parallel-size": "context_parallel_size",
-    "--pipeline-model-parallel-size": "pipeline_model_parallel_size",
-    "--expert-model-parallel-size": "expert_model_parallel_size",
-    "--expert-tensor-parallel-size": "expert_tensor_parallel_size",
-    "--moe-layer-freq": "moe_layer_freq",
-    "--moe-token-dispatcher-type": "moe_token_dispatcher_type",
-    "--moe-flex-dispatcher-backend": "moe_flex_dispatcher_backend",
-    "--moe-flex-dispatcher-num-sms": "moe_flex_dispatcher_num_sms",
-    "--moe-hybridep-num-sms-preprocessing": "moe_hybridep_num_sms_preprocessing",
-    "--moe-router-dtype": "moe_router_dtype",
-    "--moe-expert-rank-capacity-factor": "moe_expert_rank_capacity_factor",
-    "--recompute-granularity": "recompute_granularity",
-    "--recompute-modules": "recompute_modules",
-    "--tokens-per-rank": "tokens_per_rank",
-    "--ranks-per-node": "ranks_per_node",
-    "--routed-rows-factor": "routed_rows_factor",
+
+@dataclass(frozen=True)
+class Arg:
+    """One command-line argument: its flag (Megatron's name where Megatron has one) and help."""
+
+    flag: str
+    help: str
+    metavar: str = "INT"
+
+
+# MoEMemoryConfig field -> its argument; the help says what it is, its default and its unit.
+ARGS = {
+    "hidden_size": Arg("--hidden-size", "hidden size H, elements per token"),
+    "num_moe_experts": Arg("--num-experts", "routed experts of an MoE layer"),
+    "moe_router_topk": Arg("--moe-router-topk", "experts each token is routed to"),
+    "num_layers": Arg("--num-layers", "transformer layers of the model, all pipeline stages"),
+    "seq_length": Arg(
+        "--seq-length", "tokens per sequence (no default: needed unless --tokens-per-rank)"
+    ),
+    "micro_batch_size": Arg("--micro-batch-size", "sequences per micro-batch (default 1)"),
+    "tensor_model_parallel_size": Arg("--tensor-model-parallel-size", "TP, ranks (default 1)"),
+    "context_parallel_size": Arg("--context-parallel-size", "CP, ranks (default 1)"),
+    "pipeline_model_parallel_size": Arg(
+        "--pipeline-model-parallel-size", "PP, ranks (default 1); must divide --num-layers"
+    ),
+    "expert_model_parallel_size": Arg("--expert-model-parallel-size", "EP, ranks (default 1)"),
+    "expert_tensor_parallel_size": Arg(
+        "--expert-tensor-parallel-size", "ETP, ranks (default: TP); the flex group is ETP x EP"
+    ),
+    "moe_layer_freq": Arg(
+        "--moe-layer-freq",
+        "which layers are MoE: N (every Nth layer from layer 0), or a pattern of one 0/1 per "
+        "layer such as '([0]*3+[1]*58)' (default 1: every layer)",
+        "N|PATTERN",
+    ),
+    "moe_token_dispatcher_type": Arg(
+        "--moe-token-dispatcher-type", "allgather, alltoall or flex (default allgather)", "TYPE"
+    ),
+    "moe_flex_dispatcher_backend": Arg(
+        "--moe-flex-dispatcher-backend",
+        "flex backend: deepep, hybridep, deepepv2 or ncclep (default deepep)",
+        "BACKEND",
+    ),
+    "moe_flex_dispatcher_num_sms": Arg(
+        "--moe-flex-dispatcher-num-sms",
+        "SMs of the flex kernels (default: DeepEP 20, even; HybridEP 8 per direction across "
+        "nodes, where its queue pairs scale with it)",
+    ),
+    "moe_hybridep_num_sms_preprocessing": Arg(
+        "--moe-hybridep-num-sms-preprocessing", "HybridEP preprocessing blocks (default 108)"
+    ),
+    "moe_router_dtype": Arg(
+        "--moe-router-dtype", "router probabilities: fp32 or fp64 (default: the model's)", "DTYPE"
+    ),
+    "moe_expert_rank_capacity_factor": Arg(
+        "--moe-expert-rank-capacity-factor",
+        "NCCL EP receive capacity, a multiple of tokens x top-k (default: none, eager sizing)",
+        "FACTOR",
+    ),
+    "recompute_granularity": Arg(
+        "--recompute-granularity", "selective or full (default: no recompute)", "GRANULARITY"
+    ),
+    "recompute_modules": Arg(
+        "--recompute-modules",
+        "modules selective recompute reruns; 'moe' reruns the MoE layer (default core_attn)",
+        "MODULE",
+    ),
+    "tokens_per_rank": Arg(
+        "--tokens-per-rank",
+        "T, tokens an MoE layer's dispatcher gets per call on a rank "
+        "(default: seq x micro-batch / (TP x CP), sequence parallel)",
+    ),
+    "ranks_per_node": Arg(
+        "--ranks-per-node", "ranks of one NVLink domain (default 8: an HGX node; GB200: 72)"
+    ),
+    "routed_rows_factor": Arg(
+        "--routed-rows-factor",
+        "rows a rank's experts receive, as a multiple of balanced routing T x top-k "
+        "(default 1.0; above 0, at most EP)",
+        "FACTOR",
+    ),
+    "deep_ep": Arg(
+        "--deep-ep",
+        f"deep_ep source priced: hybrid-ep (branch head {DEEP_EP_COMMIT[:7]}: HybridEP and "
+        f"DeepEP; default) or main (DeepEP 2.1.0, {DEEP_EP_MAIN_COMMIT[:7]}: DeepEP only, its "
+        "own configs, EP 48 and 96 too)",
+        "SOURCE",
+    ),
 }
+REQUIRED = ("hidden_size", "num_moe_experts", "moe_router_topk", "num_layers")
+# Command-line flag (Megatron's argument names) -> MoEMemoryConfig field.
+FLAGS = {arg.flag: name for name, arg in ARGS.items()}
 FIELD_FLAGS = {field_name: flag for flag, field_name in FLAGS.items()}
 INT_FIELDS = {
     "hidden_size", "num_moe_experts", "moe_router_topk", "num_layers", "seq_length",
     "micro_batch_size", "tensor_model_parallel_size", "context_parallel_size",
     "pipeline_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
-    "moe_layer_freq", "moe_flex_dispatcher_num_sms", "moe_hybridep_num_sms_preprocessing",
+    "moe_flex_dispatcher_num_sms", "moe_hybridep_num_sms_preprocessing",
     "tokens_per_rank", "ranks_per_node",
 }  # fmt: skip
-# Megatron-Bridge's YAML names these two differently from TransformerConfig.
+FLOAT_FIELDS = ("routed_rows_factor", "moe_expert_rank_capacity_factor")
+BOOL_KEYS = ("bf16", "fp16", "moe_ncclep_zero_copy", "moe_enable_deepep")
+# Megatron-Bridge's YAML names this one differently from TransformerConfig.
 YAML_ALIASES = {"num_experts": "num_moe_experts"}
+TRANSFORMER_CONFIG = "megatron/core/transformer/transformer_config.py"
+# Deprecated TransformerConfig fields megatron-core 0.19 still accepts and routes to
+# moe_flex_dispatcher_num_sms unless that is set (transformer_config.py:1616-1635).
+DEPRECATED_SMS = ("moe_deepep_num_sms", "moe_hybridep_num_sms")
+# Megatron's own names (TransformerConfig, ModelParallelConfig, megatron/training/config and
+# arguments.py in megatron-core 0.19.2) that are not the planner's but lie within the typo
+# distance of one of its names: never taken for a typo. A test re-derives it from the tree.
+MEGATRON_NEIGHBOURS = frozenset({
+    "eval_micro_batch_size", "ffn_hidden_size", "inference_moe_token_dispatcher_type",
+    "main_params_dtype", "model_parallel_size", "moe_expert_capacity_factor",
+    "moe_router_group_topk", "mtp_num_layers", "pipeline_model_parallel_layout",
+    "rl_inference_expert_model_parallel_size", "rl_inference_pipeline_model_parallel_size",
+    "rl_inference_tensor_model_parallel_size", "virtual_pipeline_model_parallel_size",
+})  # fmt: skip
+# Megatron fields the terms depend on that the planner does not model: set, they are noted.
+NOT_MODELLED = {
+    "moe_expert_capacity_factor": "capacity-factor routing (the plan is dropless)",
+    "moe_pad_expert_input_to_capacity": "capacity-factor routing (the plan is dropless)",
+    "virtual_pipeline_model_parallel_size": "virtual stages (MoE layers split over PP evenly)",
+    "pipeline_model_parallel_layout": "a custom pipeline layout (layers split over PP evenly)",
+    "num_layers_in_first_pipeline_stage": "uneven stages (layers split over PP evenly)",
+    "num_layers_in_last_pipeline_stage": "uneven stages (layers split over PP evenly)",
+    "mtp_num_layers": "multi-token-prediction layers",
+}
+TYPO_CUTOFF = 0.8  # difflib ratio: expert_model_paralel_size is 0.98 from its field
+
+
+def _known_keys() -> List[str]:
+    return sorted(set(ARGS) | set(YAML_ALIASES) | set(BOOL_KEYS) | set(DEPRECATED_SMS)
+                  | {"params_dtype"})  # fmt: skip
+
+
+def closest(name: str, known: Sequence[str]) -> Optional[str]:
+    """The known name ``name`` is most likely a typo of (difflib), or None."""
+    match = difflib.get_close_matches(name, list(known), n=1, cutoff=TYPO_CUTOFF)
+    return match[0] if match else None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -1020,81 +1442,210 @@ def _fail(message: str) -> int:
     return 2
 
 
-def read_config_file(path: str) -> Dict[str, object]:
-    """The known fields of a Megatron-Bridge style YAML (``model:`` and ``train:`` sections, or
-    top-level keys, in TransformerConfig's names); other keys are not the planner's."""
+def _note(message: str) -> None:
+    print(f"moe_memory_planner: note: {message}", file=sys.stderr)
+
+
+def read_config_file(path: str, notes: Optional[List[str]] = None) -> Dict[str, object]:
+    """The planner's fields of a Megatron-Bridge style YAML (``model:`` and ``train:`` sections,
+    or top-level keys, in TransformerConfig's names). A key that is no name the planner or
+    Megatron knows but lies within typo distance of one of the planner's is a ValueError naming
+    the closest; other keys are not the planner's. The deprecated SM-count fields and
+    ``moe_enable_deepep`` are kept under their names (:func:`apply_deprecated` routes them);
+    fields the planner does not model are appended to ``notes``."""
     try:
         import yaml
     except ImportError:
         raise ValueError("--config-file: reading YAML needs PyYAML (pip install pyyaml)") from None
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"--config-file: {path}: {str(exc).splitlines()[0]}") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        lines = str(exc).splitlines() or [type(exc).__name__]
+        raise ValueError(f"--config-file: {path}: {lines[0]}") from None
+    except RecursionError:
+        raise ValueError(f"--config-file: {path}: nested too deeply") from None
     if not isinstance(data, dict):
         raise ValueError(f"--config-file: {path}: not a mapping")
-    known = {f for f in MoEMemoryConfig.__dataclass_fields__}
+    known = _known_keys()
     values: Dict[str, object] = {}
-    for section in (data, data.get("train") or {}, data.get("model") or {}):
+    for where, section in (("top level", data), ("train:", data.get("train")),
+                           ("model:", data.get("model"))):  # fmt: skip
         if not isinstance(section, dict):
             continue
         for key, value in section.items():
-            key = YAML_ALIASES.get(key, key)
-            if key in known and not isinstance(value, dict):
-                values[key] = value
-    if "params_dtype" in (data.get("model") or {}):
-        values.setdefault("bf16", "bfloat16" in str(data["model"]["params_dtype"]))
+            if not isinstance(key, str) or isinstance(value, dict):
+                continue
+            if key in NOT_MODELLED and value not in (None, False, 0) and notes is not None:
+                notes.append(f"{key} is set; not modelled: {NOT_MODELLED[key]}")
+            if key in known:
+                values[YAML_ALIASES.get(key, key)] = value
+            elif key not in MEGATRON_NEIGHBOURS and closest(key, known):
+                raise ValueError(
+                    f"--config-file: {path}: unknown key {key!r} ({where}); the closest known "
+                    f"name is {closest(key, known)!r}"
+                )
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    if "params_dtype" in values:
+        values.pop("params_dtype")
+        if "bf16" not in values and "fp16" not in values:
+            values["bf16"] = "bfloat16" in str(model.get("params_dtype", data.get("params_dtype")))
     return values
 
 
-def config_from_args(argv: Optional[Sequence[str]] = None) -> tuple:
-    """(MoEMemoryConfig, --json, --held-rows) from the command line; ValueError names the bad
-    argument."""
+def apply_deprecated(values: Dict[str, object], notes: List[str]) -> None:
+    """Megatron's handling of the deprecated fields it still accepts, in place: the SM-count
+    knobs route to ``moe_flex_dispatcher_num_sms`` unless it is set (``transformer_config.py``
+    1616-1635; two that differ are an error), ``moe_enable_deepep`` selects the deepep backend
+    of the flex dispatcher (1589-1598)."""
+    sms = {}
+    for name in DEPRECATED_SMS:
+        value = values.pop(name, None)
+        if value is not None:
+            _positive(name, value)
+            sms[name] = value
+    if sms:
+        notes.append(f"{', '.join(sms)} is deprecated; megatron routes it to "
+                     f"moe_flex_dispatcher_num_sms ({TRANSFORMER_CONFIG}:1616-1635)")  # fmt: skip
+        if values.get("moe_flex_dispatcher_num_sms") is None:
+            if len(set(sms.values())) > 1:
+                raise ValueError(
+                    f"{'/'.join(sms)}: conflicting deprecated SM counts "
+                    f"{', '.join(f'{k}={v}' for k, v in sms.items())}; megatron refuses them "
+                    f"({TRANSFORMER_CONFIG}:1630-1634)"
+                )
+            values["moe_flex_dispatcher_num_sms"] = next(iter(sms.values()))
+    enable = values.pop("moe_enable_deepep", False)
+    if not isinstance(enable, bool):
+        raise ValueError(f"moe_enable_deepep: must be true or false, got {enable!r}")
+    if enable:
+        if values.get("moe_token_dispatcher_type") != "flex":
+            raise ValueError(
+                "moe_enable_deepep: needs moe_token_dispatcher_type flex; megatron refuses it "
+                f"({TRANSFORMER_CONFIG}:1590-1591)"
+            )
+        if values.get("moe_flex_dispatcher_backend") == "hybridep":
+            raise ValueError(
+                "moe_enable_deepep: conflicts with moe_flex_dispatcher_backend hybridep; megatron "
+                f"refuses it ({TRANSFORMER_CONFIG}:1592-1593)"
+            )
+        values["moe_flex_dispatcher_backend"] = "deepep"
+        notes.append(
+            "moe_enable_deepep is deprecated; megatron reads it as moe_flex_dispatcher_backend "
+            f"deepep ({TRANSFORMER_CONFIG}:1589-1598)"
+        )
+
+
+def _check_types(values: Dict[str, object]) -> None:
+    """Each value of the type its field takes: a ValueError naming the field otherwise."""
+    for name, value in values.items():
+        if name in INT_FIELDS and value is not None:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name}: must be an integer, got {value!r}")
+        elif name in FLOAT_FIELDS and value is not None:
+            if isinstance(value, str):
+                try:
+                    number = float(value)
+                except ValueError:
+                    raise ValueError(f"{name}: must be a number, got {value!r}") from None
+                if not math.isfinite(number):
+                    raise ValueError(f"{name}: must be a finite number, got {value!r}")
+                values[name] = number
+            elif not _real(value):
+                raise ValueError(f"{name}: must be a finite number, got {value!r}")
+        elif name in ("moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "deep_ep",
+                      "moe_router_dtype", "recompute_granularity"):  # fmt: skip
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name}: must be a name, got {value!r}")
+        elif name in BOOL_KEYS and not isinstance(value, bool):
+            raise ValueError(f"{name}: must be true or false, got {value!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command's parser: Megatron's argument names, each with what it is, its default and
+    its unit; the required ones in their own group."""
     p = _Parser(
         prog="moe_memory_planner",
-        description="MoE memory terms (communication buffers, dispatcher state held between "
-        "calls), base vs patched, before anything is allocated.",
+        allow_abbrev=False,
+        description="Every MoE memory term of a configuration on one rank (communication "
+        "buffers, dispatcher state held between calls), base (unpatched megatron-core) vs "
+        "patched, before anything is allocated. Sizes in bytes. HybridEP reads "
+        + ", ".join(CHUNK_ENV.values())
+        + " (tokens per chunk, default 64) from the environment, as deep_ep does.",
+        epilog="Bad input: one line on stderr naming it, exit status 2.",
     )
-    p.add_argument("--config-file", help="a Megatron-Bridge style YAML (flags override it)")
-    for flag, name in FLAGS.items():
+    req = p.add_argument_group("required (here or in --config-file)")
+    opt = p.add_argument_group("model and parallelism (Megatron's names)")
+    for name, arg in ARGS.items():
+        group = req if name in REQUIRED else opt
+        help_text = arg.help + (" [required]" if name in REQUIRED else "")
         if name == "recompute_modules":
-            p.add_argument(flag, nargs="*", dest=name, default=None)
+            group.add_argument(arg.flag, nargs="*", dest=name, default=None, help=help_text,
+                               metavar=arg.metavar)  # fmt: skip
         else:
-            floats = ("routed_rows_factor", "moe_expert_rank_capacity_factor")
-            kind = int if name in INT_FIELDS else float if name in floats else str
-            p.add_argument(flag, dest=name, type=kind, default=None)
-    p.add_argument("--bf16", action="store_true", default=None)
-    p.add_argument("--fp16", action="store_true", default=None)
-    p.add_argument("--moe-ncclep-zero-copy", dest="moe_ncclep_zero_copy", action="store_true",
-                   default=None)  # fmt: skip
-    p.add_argument("--held-rows", type=int, help="rows per rank of a HybridEP buffer held now")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    args = p.parse_args(argv)
-    if args.held_rows is not None and args.held_rows <= 0:
-        raise ValueError(f"--held-rows: must be a positive integer, got {args.held_rows}")
-    values = read_config_file(args.config_file) if args.config_file else {}
-    values.update({n: getattr(args, n) for n in FLAGS.values() if getattr(args, n) is not None})
+            kind = int if name in INT_FIELDS else str
+            group.add_argument(arg.flag, dest=name, type=kind, default=None, help=help_text,
+                               metavar=arg.metavar)  # fmt: skip
+    opt.add_argument("--bf16", action="store_true", default=None,
+                     help="16-bit activations, 2 bytes each (default: fp32, 4 bytes, unless "
+                     "the YAML's bf16, fp16 or params_dtype says otherwise)")  # fmt: skip
+    opt.add_argument("--fp16", action="store_true", default=None,
+                     help="16-bit activations, as --bf16 (default off)")  # fmt: skip
+    opt.add_argument("--moe-ncclep-zero-copy", dest="moe_ncclep_zero_copy", action="store_true",
+                     default=None, help="NCCL EP's zero-copy buffers (default off)")  # fmt: skip
+    out = p.add_argument_group("input and output")
+    out.add_argument("--config-file", metavar="YAML",
+                     help="a Megatron-Bridge style YAML: model:, train: or top-level keys in "
+                     "TransformerConfig's names; flags override it (default: none)")  # fmt: skip
+    out.add_argument("--held-rows", type=int, metavar="ROWS",
+                     help="rows per rank of a HybridEP buffer already held, to price a call's "
+                     "growth against (default: none held)")  # fmt: skip
+    out.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
+    return p
+
+
+def config_from_args(
+    argv: Optional[Sequence[str]] = None, notes: Optional[List[str]] = None
+) -> tuple:
+    """(MoEMemoryConfig, --json, --held-rows) from the command line; ValueError names the bad
+    argument. Notes (deprecated fields read, fields set but not modelled) are appended to
+    ``notes``, or printed on stderr if it is None."""
+    p = build_parser()
+    args, extra = p.parse_known_args(argv)
+    if extra:
+        flag = next((e.split("=")[0] for e in extra if e.startswith("-")), None)
+        near = closest(flag, [a.option_strings[0] for a in p._actions]) if flag else None
+        hint = f"; the closest known flag is {near}" if near else ""
+        p.error(f"unrecognized arguments: {' '.join(extra)[:80]}{hint}")
+    if args.held_rows is not None and not 0 < args.held_rows <= INT_MAX:
+        raise ValueError(
+            f"--held-rows: must be a positive integer up to {INT_MAX:,}, got {args.held_rows}"
+        )
+    printed = notes is None
+    notes = [] if notes is None else notes
+    values = read_config_file(args.config_file, notes) if args.config_file else {}
+    values.update({n: getattr(args, n) for n in ARGS if getattr(args, n) is not None})
     if args.moe_ncclep_zero_copy:
         values["moe_ncclep_zero_copy"] = True
+    _check_types(values)
+    apply_deprecated(values, notes)
     if args.bf16 or args.fp16:
         values["bf16"] = True
     elif args.config_file is None or "bf16" not in values:
         values["bf16"] = bool(values.get("fp16", False) or values.get("bf16", False))
     values.pop("fp16", None)
-    for name in ("hidden_size", "num_moe_experts", "moe_router_topk", "num_layers"):
+    for name in REQUIRED:
         if name not in values:
             raise ValueError(f"{FIELD_FLAGS[name]}: required")
-    if "recompute_modules" in values:
+    if "recompute_modules" in values and isinstance(values["recompute_modules"], list):
         values["recompute_modules"] = tuple(values["recompute_modules"])
-    for name, value in values.items():
-        if name in INT_FIELDS and value is not None and not isinstance(value, int):
-            raise ValueError(f"{FIELD_FLAGS.get(name, name)}: must be an integer, got {value!r}")
     try:
         cfg = MoEMemoryConfig(**values)
     except ValueError as exc:
         field_name, _, rest = str(exc).partition(": ")
         raise ValueError(f"{FIELD_FLAGS.get(field_name, field_name)}: {rest}") from None
+    for note in notes if printed else ():
+        _note(note)
     return cfg, args.json, args.held_rows
 
 
@@ -1124,7 +1675,7 @@ def format_plan(result: Dict[str, object]) -> str:
         source = {
             "deepepv2": f"DeepEP epv2-release {d['deep_ep_v2_commit'][:7]}",
             "ncclep": f"NCCL EP, nccl-extensions {d['nccl_ep_commit'][:7]}",
-        }.get(backend, f"deep_ep {d['deep_ep_commit'][:7]}")
+        }.get(backend, f"deep_ep {d.get('deep_ep_source', 'hybrid-ep')} {d['deep_ep_commit'][:7]}")
         lines.append(f"communication buffers ({source}), base = patched:")
         rows(result["buffers"])
     if "growth" in result:
@@ -1162,8 +1713,9 @@ def format_plan(result: Dict[str, object]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The planner command: the table, or ``--json``; exit 2 on bad input (one line)."""
+    notes: List[str] = []
     try:
-        cfg, as_json, held_rows = config_from_args(argv)
+        cfg, as_json, held_rows = config_from_args(argv, notes)
         result = plan(cfg, held_rows)
     except ValueError as exc:
         field_name, sep, rest = str(exc).partition(": ")
@@ -1172,6 +1724,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )
     except SystemExit as exc:
         return int(exc.code or 0)
+    for note in notes:
+        _note(note)
     print(json.dumps(result, indent=1) if as_json else format_plan(result))
     return 0
 

@@ -16,9 +16,16 @@
   predicted from it); the patched tree keeps nothing.
 * The command: Megatron's argument names, a Megatron-Bridge style YAML, ``--json``, and bad
   input as one line naming the argument, exit status 2.
+* Strict inputs: a typo'd key or flag names the closest field; megatron's deprecated fields are
+  read with a note; configurations the kernels refuse are refused citing the refusing line
+  (each cited line checked against a deep_ep checkout when ``DEEP_EP_SRC`` names one); odd
+  values never trace back; moe_layer_freq's list and pattern forms; the chunk-size environment
+  in every term it sizes; the memory-location labels; DeepEP main's configs beside hybrid-ep's;
+  ``--help``.
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -585,3 +592,553 @@ def test_command_exit_status():
     assert done.stderr.strip() == (
         "moe_memory_planner: --seq-length: must be a positive integer, got -4"
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Strict inputs (issue 33): typos, deprecated fields, the kernels' refusals, odd values, the
+# forms of moe_layer_freq, the chunk-size environment, which deep_ep is priced, --help
+
+
+def _one_line_exit_2(capsys, args) -> str:
+    """Run the command's main in process: exit status 2, nothing on stdout, one line on stderr
+    (no traceback: an exception would fail the test here); that line."""
+    status = planner.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    assert status == 2 and out == "", (status, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moe_memory_planner: "), err
+    return lines[0]
+
+
+def _plan_json(capsys, args) -> tuple:
+    status = planner.main([str(a) for a in args] + ["--json"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    return json.loads(out), err
+
+
+HYBRIDEP = ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep"]
+DEEPEP = ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"]
+# H=7168, 256 experts top-8 (DeepSeek-V3's MoE layer), 4 layers.
+V3 = ["--hidden-size", 7168, "--num-experts", 256, "--moe-router-topk", 8, "--num-layers", 4]
+
+
+def _yaml(tmp_path, text: str) -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_typo_d_yaml_key_is_refused_naming_the_field(tmp_path, capsys):
+    """`expert_model_paralel_size` was ignored (a group of 1: the plan 95x too small, exit 0);
+    it is one line naming the key and the field it is closest to, exit 2."""
+    path = _yaml(
+        tmp_path,
+        "model:\n  hidden_size: 7168\n  num_moe_experts: 256\n  moe_router_topk: 8\n"
+        "  num_layers: 4\n  expert_model_paralel_size: 64\n  seq_length: 4096\n"
+        "  moe_token_dispatcher_type: flex\n  moe_flex_dispatcher_backend: hybridep\n",
+    )
+    line = _one_line_exit_2(capsys, ["--config-file", path])
+    assert "unknown key 'expert_model_paralel_size' (model:)" in line
+    assert "closest known name is 'expert_model_parallel_size'" in line
+    # The same typo as a flag names the closest flag.
+    line = _one_line_exit_2(capsys, V3 + ["--expert-model-paralel-size", 64])
+    assert "unrecognized arguments: --expert-model-paralel-size 64" in line
+    assert "closest known flag is --expert-model-parallel-size" in line
+    # Flags are not abbreviated either: a prefix is no flag.
+    line = _one_line_exit_2(capsys, V3 + ["--seq-len", 8])
+    assert "unrecognized arguments: --seq-len 8; the closest known flag is --seq-length" in line
+
+
+def _megatron_names(tree) -> set:
+    """Every field and argument name megatron-core 0.19.2 accepts: TransformerConfig's and
+    ModelParallelConfig's fields, megatron/training/config's dataclasses, arguments.py's
+    flags."""
+    import ast
+    import re
+    from pathlib import Path
+
+    root = Path(tree) / "megatron"
+    files = [
+        root / "core/transformer/transformer_config.py",
+        root / "core/model_parallel_config.py",
+    ]
+    files += sorted((root / "training/config").glob("*.py"))
+    names = set()
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                names |= {
+                    b.target.id
+                    for b in node.body
+                    if isinstance(b, ast.AnnAssign) and isinstance(b.target, ast.Name)
+                }
+    arguments = (root / "training/arguments.py").read_text()
+    for flag in re.findall(r"add_argument\(\s*['\"]--([A-Za-z0-9_-]+)['\"]", arguments):
+        names.add(flag.replace("-", "_"))
+    return names
+
+
+def test_megatron_names_near_the_planners_are_known(base_tree, tmp_path, capsys):
+    """No name megatron accepts is taken for a typo: every one within the typo distance of a
+    planner field is the planner's or in MEGATRON_NEIGHBOURS (re-derived here from the tree),
+    and a YAML setting all of them plans (exit 0). Every planner field but its own four
+    (tokens_per_rank, ranks_per_node, routed_rows_factor, deep_ep) is a megatron name."""
+    names = _megatron_names(base_tree)
+    known = planner._known_keys()
+    near = {n for n in names if n not in known and planner.closest(n, known)}
+    assert near == set(planner.MEGATRON_NEIGHBOURS)
+    assert {k for k in known if k not in names} == {
+        "tokens_per_rank", "ranks_per_node", "routed_rows_factor", "deep_ep",
+    }  # fmt: skip
+    body = "".join(f"  {n}: 1\n" for n in sorted(near))
+    path = _yaml(tmp_path, "model:\n  hidden_size: 64\n  num_moe_experts: 8\n"
+                 "  moe_router_topk: 2\n  num_layers: 2\n  seq_length: 8\n" + body)  # fmt: skip
+    data, err = _plan_json(capsys, ["--config-file", path])
+    assert data["derived"]["moe_layers_per_rank"] == 2
+    # Set, the fields the plan does not model are noted (not silently dropped).
+    assert "note: moe_expert_capacity_factor is set; not modelled" in err
+
+
+def _ring(depth: int) -> int:
+    """One DOCA queue pair as the planner approximates it: send and completion queues of the
+    next power of two of ``depth`` 64-byte entries plus a 4 KiB alignment each, two doorbell
+    pages."""
+    return 2 * ((1 << (depth - 1).bit_length()) * 64 + 4096) + 2 * 8192
+
+
+def test_deprecated_hybridep_num_sms_is_read_with_a_note(tmp_path, capsys):
+    """`moe_hybridep_num_sms: 32` (deprecated; megatron 0.19 routes it to
+    moe_flex_dispatcher_num_sms) sizes the multi-node queue pairs: EP16 on two nodes of 8,
+    T=4,096: 1 peer node x 32 SMs = 32 queue pairs per direction (not 8), each direction's
+    ring of 3T+1 / 2T+1 entries (16,384 either way), tables 112 B / 88 B per pair."""
+    head = (
+        "model:\n  hidden_size: 7168\n  num_moe_experts: 256\n  moe_router_topk: 8\n"
+        "  num_layers: 4\n  expert_model_parallel_size: 16\n  tokens_per_rank: 4096\n"
+        "  moe_token_dispatcher_type: flex\n  moe_flex_dispatcher_backend: hybridep\n"
+    )
+    data, err = _plan_json(capsys, ["--config-file", _yaml(tmp_path, head)])
+    default = {t["name"]: t["nbytes"] for t in data["buffers"]}
+    data, err = _plan_json(
+        capsys, ["--config-file", _yaml(tmp_path, head + "  moe_hybridep_num_sms: 32\n")]
+    )
+    got = {t["name"]: t["nbytes"] for t in data["buffers"]}
+    assert data["config"]["moe_flex_dispatcher_num_sms"] == 32
+    assert got["queue-pair tables"] == 32 * (8 + 104) + 32 * (8 + 80) == 6_400
+    assert got["DOCA queue pairs (approximate)"] == 32 * _ring(12289) + 32 * _ring(8193)
+    assert got["DOCA queue pairs (approximate)"] == 4 * default["DOCA queue pairs (approximate)"]
+    assert "note: moe_hybridep_num_sms is deprecated" in err
+    assert "transformer_config.py:1616-1635" in err
+    # An explicit moe_flex_dispatcher_num_sms takes precedence, as in megatron.
+    data, _ = _plan_json(capsys, ["--config-file", _yaml(tmp_path, head + (
+        "  moe_hybridep_num_sms: 32\n  moe_flex_dispatcher_num_sms: 16\n"))])  # fmt: skip
+    assert data["config"]["moe_flex_dispatcher_num_sms"] == 16
+    # Two deprecated knobs that disagree: megatron refuses them, so does the planner.
+    line = _one_line_exit_2(capsys, ["--config-file", _yaml(tmp_path, head + (
+        "  moe_hybridep_num_sms: 32\n  moe_deepep_num_sms: 20\n"))])  # fmt: skip
+    assert "conflicting deprecated SM counts" in line and "transformer_config.py:1630-1634" in line
+
+
+def test_deprecated_moe_enable_deepep(tmp_path, capsys):
+    """`moe_enable_deepep: true` selects the flex dispatcher's deepep backend (with a note);
+    without the flex dispatcher, or with hybridep named, megatron refuses it."""
+    head = ("model:\n  hidden_size: 2048\n  num_moe_experts: 64\n  moe_router_topk: 8\n"
+            "  num_layers: 2\n  expert_model_parallel_size: 8\n  tokens_per_rank: 1024\n"
+            "  moe_enable_deepep: true\n")  # fmt: skip
+    data, err = _plan_json(capsys, ["--config-file", _yaml(
+        tmp_path, head + "  moe_token_dispatcher_type: flex\n")])  # fmt: skip
+    assert data["config"]["moe_flex_dispatcher_backend"] == "deepep"
+    assert "note: moe_enable_deepep is deprecated" in err
+    line = _one_line_exit_2(capsys, ["--config-file", _yaml(tmp_path, head)])
+    assert "moe_enable_deepep: needs moe_token_dispatcher_type flex" in line
+    both = "  moe_token_dispatcher_type: flex\n  moe_flex_dispatcher_backend: hybridep\n"
+    line = _one_line_exit_2(capsys, ["--config-file", _yaml(tmp_path, head + both)])
+    assert "transformer_config.py:1592-1593" in line
+
+
+# Each configuration a kernel refuses: (args, environment, the flag or variable named, the
+# source line cited). HybridEP's lines are deep_ep's csrc/hybrid_ep/config.cuh at
+# DEEP_EP_COMMIT (BufferConfig::is_valid); DeepEP's deep_ep/buffer.py there, or
+# deep_ep/buffers/legacy.py at DEEP_EP_MAIN_COMMIT.
+KERNEL_REFUSALS = [
+    (["--hidden-size", 1000, "--num-experts", 8, "--moe-router-topk", 2, "--num-layers", 2,
+      "--expert-model-parallel-size", 2, "--tokens-per-rank", 64] + HYBRIDEP, {},
+     "--hidden-size: HybridEP refuses 1000, not a multiple of 16", "config.cuh:89"),
+    (["--hidden-size", 1024, "--num-experts", 6, "--moe-router-topk", 2, "--num-layers", 2,
+      "--expert-model-parallel-size", 2, "--tokens-per-rank", 64] + HYBRIDEP, {},
+     "--num-experts: HybridEP refuses 3 local experts x 2 ranks per NVLink domain = 6",
+     "config.cuh:91"),
+    (V3 + ["--expert-model-parallel-size", 16, "--tokens-per-rank", 32768] + HYBRIDEP, {},
+     "--tokens-per-rank: HybridEP refuses 32,768 rows per rank across 2 nodes",
+     "config.cuh:28-33"),
+    # 21,825 tokens are 21,888 rows (rounded to the 64-token combine chunk): over 21,844.
+    (V3 + ["--expert-model-parallel-size", 16, "--tokens-per-rank", 21825] + HYBRIDEP, {},
+     "refuses 21,888 rows per rank across 2 nodes", "config.cuh:28-33"),
+    # A held buffer regrown past the queue depth is refused the same way.
+    (V3 + ["--expert-model-parallel-size", 16, "--tokens-per-rank", 21825, "--held-rows",
+           512] + HYBRIDEP, {}, "refuses 21,888 rows", "config.cuh:28-33"),
+    (V3 + ["--expert-model-parallel-size", 2, "--tokens-per-rank", 4096] + HYBRIDEP,
+     {"NUM_OF_TOKENS_PER_CHUNK_DISPATCH_API": "1"},
+     "NUM_OF_TOKENS_PER_CHUNK_DISPATCH_API: HybridEP refuses 1 tokens per chunk x 2 ranks",
+     "config.cuh:93"),
+    (V3 + ["--expert-model-parallel-size", 2, "--tokens-per-rank", 4096] + HYBRIDEP,
+     {"NUM_OF_TOKENS_PER_CHUNK_COMBINE_API": "abc"},
+     "NUM_OF_TOKENS_PER_CHUNK_COMBINE_API='abc': deep_ep reads it with atoi as 0",
+     "config.cuh:388-391"),
+    (V3 + ["--expert-model-parallel-size", 2, "--tokens-per-rank", 4096] + HYBRIDEP,
+     {"NUM_OF_TOKENS_PER_CHUNK_PREPROCESSING_API": "-64"},
+     "NUM_OF_TOKENS_PER_CHUNK_PREPROCESSING_API='-64'", "config.cuh:388-391"),
+    (V3 + ["--expert-model-parallel-size", 8, "--tokens-per-rank", 4096,
+           "--moe-flex-dispatcher-num-sms", 21] + DEEPEP, {},
+     "--moe-flex-dispatcher-num-sms: DeepEP refuses an odd SM count, got 21",
+     "deep_ep/buffer.py:160"),
+    (V3 + ["--expert-model-parallel-size", 8, "--tokens-per-rank", 4096,
+           "--moe-flex-dispatcher-num-sms", 21, "--deep-ep", "main"] + DEEPEP, {},
+     "DeepEP refuses an odd SM count, got 21", "deep_ep/buffers/legacy.py:162"),
+    (["--hidden-size", 7168, "--num-experts", 96, "--moe-router-topk", 8, "--num-layers", 2,
+      "--expert-model-parallel-size", 48, "--tokens-per-rank", 4096] + DEEPEP, {},
+     "--expert-model-parallel-size: ETP x EP = 48: DeepEP has no config for 48 ranks",
+     "deep_ep/buffer.py:252"),
+    (["--hidden-size", 7168, "--num-experts", 96, "--moe-router-topk", 8, "--num-layers", 2,
+      "--expert-model-parallel-size", 6, "--tokens-per-rank", 4096, "--deep-ep", "main"]
+     + DEEPEP, {}, "DeepEP has no config for 6 ranks", "deep_ep/buffers/legacy.py:259"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "args,env,message,cited", KERNEL_REFUSALS, ids=[c[3] + "-" + str(i) for i, c in
+                                                    enumerate(KERNEL_REFUSALS)]
+)  # fmt: skip
+def test_a_configuration_the_kernels_refuse_is_refused_citing_the_line(
+    args, env, message, cited, monkeypatch, capsys
+):
+    """It got a plan and exit 0; now one line naming the input and the source line that
+    refuses it, exit 2."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    line = _one_line_exit_2(capsys, args)
+    assert message in line and cited in line, line
+
+
+def test_the_largest_multi_node_hybridep_buffer_is_planned(capsys):
+    """The queue-depth limit is on rows, not tokens: 21,824 tokens are 21,824 rows (a multiple
+    of 64), 3 x 21,824 + 1 = 65,473 < 65,536: accepted across two nodes."""
+    data, _ = _plan_json(capsys, V3 + ["--expert-model-parallel-size", 16, "--tokens-per-rank",
+                                      21824] + HYBRIDEP)  # fmt: skip
+    assert data["derived"]["hybridep_rows"] == 21824
+    rows = {t["name"]: t["nbytes"] for t in data["buffers"]}
+    assert rows["rdma dispatch input tokens"] == 21824 * 7168 * 2
+
+
+def _cited_line(deep_ep_src, commit: str, cited: str) -> str:
+    path, _, lines = cited.rpartition(":")
+    first, _, last = lines.partition("-")
+    text = subprocess.run(["git", "-C", deep_ep_src, "show", f"{commit}:{path}"],
+                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return "\n".join(text.splitlines()[int(first) - 1 : int(last or first)])
+
+
+# What each cited line holds, at the commit it is cited for.
+HEP = "csrc/hybrid_ep/"
+CITED = [
+    ("hybrid-ep", f"{HEP}config.cuh:89", "hidden_dim % 16 == 0"),
+    ("hybrid-ep", f"{HEP}config.cuh:87", "hidden_dim % 512 == 0"),
+    ("hybrid-ep", f"{HEP}config.cuh:91", "num_of_experts_per_rank * num_of_ranks_per_node) % 4"),
+    ("hybrid-ep", f"{HEP}config.cuh:93", "_chunk_dispatch_api * num_of_ranks_per_node) % 4"),
+    ("hybrid-ep", f"{HEP}config.cuh:18", "HYBRID_EP_IB_QP_MAX_TX_DEPTH = 65536"),
+    ("hybrid-ep", f"{HEP}config.cuh:28-33", "if (tx_depth < HYBRID_EP_IB_QP_MAX_TX_DEPTH)"),
+    ("hybrid-ep", f"{HEP}config.cuh:197-200", "return val ? atoi(val) : default_value"),
+    ("hybrid-ep", f"{HEP}config.cuh:388-391", "/ buffer_config.num_of_tokens_per_chunk_combine"),
+    ("hybrid-ep", f"{HEP}config.cuh:393-398", "The buffer config is not valid."),
+    ("hybrid-ep", f"{HEP}executor/executor.cu:120-123", "_chunk_preprocessing_api"),
+    ("hybrid-ep", f"{HEP}executor/executor.cu:128-129", "kInt32).device(torch::kCUDA)"),
+    ("hybrid-ep", f"{HEP}executor/executor.cu:155-158", "dtype(torch::kInt64).pinned_memory(true)"),
+    ("hybrid-ep", "deep_ep/buffer.py:160", "assert new_num_sms % 2 == 0"),
+    ("hybrid-ep", "deep_ep/buffer.py:252", "Unsupported number of EP ranks"),
+    ("main", "deep_ep/buffers/legacy.py:162", "assert new_num_sms % 2 == 0"),
+    ("main", "deep_ep/buffers/legacy.py:259", "Unsupported number of EP ranks"),
+    ("main", "deep_ep/buffers/legacy.py:252-254", "48: Config(Buffer.num_sms, 32, 288, 8, 128)"),
+    ("main", "deep_ep/buffers/legacy.py:254", "96: Config(Buffer.num_sms, 20, 480, 12, 128)"),
+    ("main", "csrc/legacy/config.hpp:75-99", "num_max_rdma_chunked_recv_tokens * sizeof(int4) * 2"),
+    ("main", "csrc/legacy/buffer.hpp:149-150", "(&workspace, LEGACY_NUM_WORKSPACE_BYTES)"),
+    ("main", "csrc/legacy/buffer.hpp:164-168", "cudaMallocHost(&moe_recv_rdma_counter"),
+]  # fmt: skip
+
+
+@pytest.mark.skipif(
+    not os.environ.get("DEEP_EP_SRC"), reason="DEEP_EP_SRC: a deep_ep git checkout to read"
+)
+@pytest.mark.parametrize("source,cited,holds", CITED)
+def test_the_cited_lines_say_what_the_planner_says(source, cited, holds):
+    """The source lines the refusals and terms cite hold the check or allocation named (read
+    from a deep_ep checkout at the commit cited: DEEP_EP_SRC=path)."""
+    assert holds in _cited_line(os.environ["DEEP_EP_SRC"], planner.DEEP_EP_SOURCES[source], cited)
+
+
+def test_every_refusal_cites_a_line_the_table_checks():
+    """Each kernel refusal's cited line is among those the cited-lines test reads (so a
+    refusal cannot cite a line nobody checked)."""
+    checked = {c for _, c, _ in CITED}
+    for _, _, _, cited in KERNEL_REFUSALS:
+        assert any(c.endswith(cited) for c in checked), cited
+
+
+def test_routed_rows_factor_inf_is_one_line_not_a_traceback():
+    """`--routed-rows-factor inf` (or 1e400, which is inf as a float) was a traceback, exit 1."""
+    for value in ("inf", "1e400", "nan"):
+        done = _run(*OK, "--seq-length", "8", "--routed-rows-factor", value)
+        assert done.returncode == 2 and done.stdout == "", done.stderr
+        assert done.stderr.strip() == (
+            f"moe_memory_planner: --routed-rows-factor: must be a finite number, got '{value}'"
+        )
+
+
+# Odd values for every argument: non-finite, huge, negative, zero, of the wrong type.
+GOOD = OK + ["--seq-length", "8"]
+INT_FLAGS = [f for f, n in planner.FLAGS.items() if n in planner.INT_FIELDS]
+BAD_INTS = ["0", "-1", "2147483648", "99999999999999999999999", "1.5", "nan", "inf", "", "x"]
+BAD_FLOATS = ["0", "-1", "nan", "inf", "-inf", "1e400", "1e308", "x", "", "3"]  # 3 > EP 1
+BAD_NAMES = ["0", "", "x", "nan"]
+ODD_FLAG_CASES = (
+    [(flag, v) for flag in INT_FLAGS + ["--held-rows"] for v in BAD_INTS]
+    + [(flag, v) for flag in ("--routed-rows-factor",) for v in BAD_FLOATS]
+    + [("--moe-expert-rank-capacity-factor", v) for v in BAD_FLOATS[:-1]]
+    + [(flag, v) for flag in ("--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend",
+                              "--moe-router-dtype", "--recompute-granularity", "--deep-ep")
+       for v in BAD_NAMES]
+    + [("--moe-layer-freq", v) for v in ["0", "-1", "x", "1.5", "[2]*2", "[1]*3", "[1]*10**9",
+                                         "[1]*1000000000", "__import__('os').getcwd()",
+                                         "[1,0", "(" * 5000, "+".join(["[1]"] * 20000),
+                                         "[1.0, 1.0]", "[True, True]"]]
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("flag,value", ODD_FLAG_CASES)
+def test_odd_flag_values_are_one_line_exit_2(flag, value, capsys):
+    """No traceback on any value: each is refused in one line naming the flag, exit 2."""
+    line = _one_line_exit_2(capsys, GOOD + [flag, value])
+    assert flag in line, line
+    assert len(line) < 300  # a pattern or list is never echoed whole
+
+
+ODD_YAML = [".nan", ".inf", "-.inf", "-1", "0", "100000000000000000000", "abc", "[1, 2]",
+            "true", "2.5", "'12'", "1e30"]  # fmt: skip
+YAML_FIELDS = sorted(planner.INT_FIELDS | set(planner.FLOAT_FIELDS)) + [
+    "moe_token_dispatcher_type", "moe_layer_freq", "recompute_modules", "bf16", "fp16",
+    "moe_ncclep_zero_copy", "moe_hybridep_num_sms", "moe_deepep_num_sms", "moe_enable_deepep",
+    "deep_ep",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("field_name", YAML_FIELDS)
+def test_odd_yaml_values_never_trace_back(field_name, tmp_path, capsys):
+    """Every value of the wrong kind in a YAML: exit 2 in one line naming the field, or (for
+    a value the field takes, such as 2.5 for a capacity factor) a plan; never a traceback."""
+    base = {"hidden_size": 64, "num_moe_experts": 8, "moe_router_topk": 2, "num_layers": 2,
+            "seq_length": 8}  # fmt: skip
+    for value in ODD_YAML:
+        fields = dict(base)
+        fields[field_name] = value
+        body = "".join(f"  {k}: {v}\n" for k, v in fields.items())
+        path = _yaml(tmp_path, "model:\n" + body)
+        status = planner.main(["--config-file", path, "--json"])
+        out, err = capsys.readouterr()
+        if status == 0:
+            assert (field_name, value) in YAML_ACCEPTED, (field_name, value, err)
+            continue
+        assert status == 2 and out == "", (field_name, value, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in err, (field_name, value, err)
+        flag = planner.FIELD_FLAGS.get(field_name, field_name)
+        assert flag in lines[0] or field_name in lines[0], (field_name, value, lines[0])
+
+
+# The odd values a field takes: a capacity factor of 2.5 (or the string '12', read as a number,
+# as from the command line), moe_layer_freq '12' (megatron's moe_freq_type reads "N"), true.
+YAML_ACCEPTED = {
+    ("moe_expert_rank_capacity_factor", "2.5"), ("moe_expert_rank_capacity_factor", "'12'"),
+    ("moe_layer_freq", "'12'"), ("bf16", "true"), ("fp16", "true"),
+    ("moe_ncclep_zero_copy", "true"),
+}  # fmt: skip
+
+
+# moe_layer_freq in megatron's forms; MoE layers on the pipeline stage that holds the most.
+LAYER_FREQ = [
+    # 8 layers on 2 stages, dense first 3: stage 0 holds layer 3, stage 1 layers 4-7.
+    (["--num-layers", 8, "--pipeline-model-parallel-size", 2, "--moe-layer-freq",
+      "([0]*3+[1]*5)"], 4),
+    (["--num-layers", 8, "--moe-layer-freq", "[0,0,0,1,1,1,1,1]"], 5),
+    (["--num-layers", 8, "--moe-layer-freq", "([1]*3+[0]*1)*2"], 6),
+    (["--num-layers", 8, "--moe-layer-freq", "3"], 3),  # layers 0, 3, 6
+    (["--num-layers", 8, "--pipeline-model-parallel-size", 2, "--moe-layer-freq", "3"], 2),
+    # DeepSeek-V3: 61 layers, the first 3 dense.
+    (["--num-layers", 61, "--moe-layer-freq", "([0]*3+[1]*58)"], 58),
+    (["--num-layers", 8, "--moe-layer-freq", "[0]*8"], 0),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("args,moe_layers", LAYER_FREQ)
+def test_moe_layer_freq_forms(args, moe_layers, capsys):
+    """Megatron's list and pattern-string forms were refused (the list echoed back); each now
+    counts the MoE layers of the fullest stage (counted by hand above), and the state kept
+    between calls is that many layers' (recomputed: each layer's own terms, no chain)."""
+    base = ["--hidden-size", 64, "--num-experts", 8, "--moe-router-topk", 2,
+            "--seq-length", 64, "--recompute-granularity", "full"]  # fmt: skip
+    data, _ = _plan_json(capsys, base + args)
+    assert data["derived"]["moe_layers_per_rank"] == moe_layers
+    tot = data["totals"]
+    assert tot["retained_between_calls_base"] == moe_layers * tot["retained_per_layer_base"]
+
+
+def test_moe_layer_freq_from_yaml(tmp_path, capsys):
+    """A Bridge YAML's list (or pattern string) of moe_layer_freq plans as the flag does."""
+    head = ("model:\n  hidden_size: 64\n  num_moe_experts: 8\n  moe_router_topk: 2\n"
+            "  num_layers: 8\n  seq_length: 64\n  pipeline_model_parallel_size: 2\n")  # fmt: skip
+    for freq in ("[0, 0, 0, 1, 1, 1, 1, 1]", "'([0]*3+[1]*5)'"):
+        path = _yaml(tmp_path, head + f"  moe_layer_freq: {freq}\n")
+        data, _ = _plan_json(capsys, ["--config-file", path])
+        assert data["derived"]["moe_layers_per_rank"] == 4
+        assert data["config"]["moe_layer_freq"] == [0, 0, 0, 1, 1, 1, 1, 1]
+    line = _one_line_exit_2(capsys, ["--config-file", _yaml(
+        tmp_path, head + "  moe_layer_freq: [" + ", ".join(["1"] * 61) + "]\n")])  # fmt: skip
+    assert "the pattern has 61 entries for 8 layers" in line and "gpt_layer_specs.py:653" in line
+    assert "1, 1, 1" not in line  # the list is not echoed back
+
+
+def _hybridep_terms(capsys, args, env, monkeypatch) -> tuple:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    data, _ = _plan_json(capsys, args)
+    return {t["name"]: t["nbytes"] for t in data["buffers"]}, data
+
+
+@pytest.mark.parametrize(
+    "env,rows,dispatch_chunk,combine_chunk",
+    [
+        ({}, 1024, 64, 64),
+        # The real GB200 DeepSeek-V3 recipe's 128: rows and the combine flags, not dispatch's.
+        ({"NUM_OF_TOKENS_PER_CHUNK_COMBINE_API": "128"}, 1024, 64, 128),
+        ({"NUM_OF_TOKENS_PER_CHUNK_DISPATCH_API": "32"}, 1024, 32, 64),
+        ({"NUM_OF_TOKENS_PER_CHUNK_COMBINE_API": "384"}, 1152, 64, 384),
+        # atoi: leading blanks and a sign read, trailing text ignored.
+        ({"NUM_OF_TOKENS_PER_CHUNK_COMBINE_API": " +128abc",
+          "NUM_OF_TOKENS_PER_CHUNK_DISPATCH_API": "32 tokens"}, 1024, 32, 128),
+    ],
+)  # fmt: skip
+def test_chunk_sizes_are_read_for_every_term_they_size(
+    env, rows, dispatch_chunk, combine_chunk, monkeypatch, capsys
+):
+    """EP2 on one node, T=1000, H=1024, 8 experts: rows = roundup(max(T, 512), combine chunk)
+    (config.cuh:384-387), dispatch/combine chunk flags = ceil(rows / chunk) x 2 ranks x 4 B
+    (config.cuh:388-391, intranode.cu:229-230 and 277-278). NUM_OF_TOKENS_PER_CHUNK_DISPATCH_API
+    was never read and the combine variable did not reach the flags."""
+    args = ["--hidden-size", 1024, "--num-experts", 8, "--moe-router-topk", 2, "--num-layers",
+            1, "--expert-model-parallel-size", 2, "--tokens-per-rank", 1000] + HYBRIDEP  # fmt: skip
+    terms, data = _hybridep_terms(capsys, args, env, monkeypatch)
+    assert data["derived"]["hybridep_rows"] == rows
+    assert terms["combine tokens (N x H, 16-bit)"] == rows * 2 * 1024 * 2
+    assert terms["dispatch chunk flags"] == -(-rows // dispatch_chunk) * 2 * 4
+    assert terms["combine chunk flags"] == -(-rows // combine_chunk) * 2 * 4
+
+
+def test_chunk_sizes_size_the_rdma_flags_and_the_handle(monkeypatch, capsys):
+    """Across nodes (EP16, two nodes of 8, T=4,096) the RDMA flags are 2 x (ceil(rows / chunk)
+    x peers + 2 x peers) x 8 B + 8 B per direction (internode_doca.cu:404-407, 567-570);
+    NUM_OF_TOKENS_PER_CHUNK_PREPROCESSING_API sizes the handle's dense_chunk_layout,
+    ceil(T / chunk) x 16 ranks x 4 B (executor.cu:120-123)."""
+    env = {"NUM_OF_TOKENS_PER_CHUNK_COMBINE_API": "128",
+           "NUM_OF_TOKENS_PER_CHUNK_DISPATCH_API": "32",
+           "NUM_OF_TOKENS_PER_CHUNK_PREPROCESSING_API": "256"}  # fmt: skip
+    args = V3 + ["--expert-model-parallel-size", 16, "--tokens-per-rank", 4096] + HYBRIDEP
+    terms, data = _hybridep_terms(capsys, args, env, monkeypatch)
+    assert terms["rdma dispatch flags"] == 2 * (4096 // 32 + 2) * 8 + 8 == 2088
+    assert terms["rdma combine flags"] == 2 * (4096 // 128 + 2) * 8 + 8 == 552
+    handle = {t["name"]: t for t in data["retained_per_layer"]}
+    assert handle["handle: dense_chunk_layout"]["nbytes"] == (4096 // 256) * 16 * 4
+
+
+def test_memory_location_labels_are_the_sources(capsys):
+    """The handle's raw tokens_per_expert is int32 on the device (executor.cu:128-129); the
+    tokens_per_expert megatron keeps is deep_ep's padded int64 copy, pinned host when the
+    dispatch blocks (executor.cu:155-158); the dispatched-token count is pinned
+    (executor.cu:103-109). The labels were swapped."""
+    args = ["--hidden-size", 1024, "--num-experts", 8, "--moe-router-topk", 2, "--num-layers",
+            1, "--expert-model-parallel-size", 2, "--tokens-per-rank", 1000] + HYBRIDEP  # fmt: skip
+    data, _ = _plan_json(capsys, args)
+    where = {t["name"]: (t["where"], t["nbytes"]) for t in data["retained_per_layer"]}
+    assert where["handle: tokens_per_expert"] == (planner.ALLOCATOR, 4 * 4)
+    assert where["tokens_per_expert [L] int64"] == (planner.HOST, 4 * 8)
+    assert where["handle: num_dispatched_tokens"] == (planner.HOST, 4)
+
+
+def test_deep_ep_main_prices_its_own_configs(capsys):
+    """DeepEP main (2.1.0) at EP64, H=7168 (hidden_bytes 14,336), 20 SMs: its dispatch and
+    combine configs send 8 RDMA tokens per chunk (hybrid-ep: 28 and 20), so the receive count
+    stays 128 (hybrid-ep rounds it to 140): 10 channels x 8 RDMA ranks x (18 x 2 x 4 B + 128 x
+    2 x (14,336 + 8 + 128 x 16 + 16)), to 128 B; 31.5 MB less. The NVLink hint is the same
+    (288 receive tokens either way). The plan names the source it priced."""
+    want = 10 * 8 * (18 * 2 * 4 + 128 * 2 * (14336 + 8 + 128 * 16 + 16))
+    want = -(-want // 128) * 128
+    main = _names(planner.deepep_buffer_terms(14336, 64, source="main"))
+    assert main["RDMA buffer (num_rdma_bytes)"] == want == 336_047_360
+    hybrid = _names(planner.deepep_buffer_terms(14336, 64))
+    assert hybrid["RDMA buffer (num_rdma_bytes)"] - want == 31_503_360
+    assert main["NVLink buffer (num_nvl_bytes)"] == hybrid["NVLink buffer (num_nvl_bytes)"]
+    args = V3 + ["--expert-model-parallel-size", 64, "--tokens-per-rank", 4096] + DEEPEP
+    data, _ = _plan_json(capsys, args + ["--deep-ep", "main"])
+    assert data["derived"]["deep_ep_source"] == "main"
+    assert data["derived"]["deep_ep_commit"] == planner.DEEP_EP_MAIN_COMMIT
+    sources = {t["name"]: t["source"] for t in data["buffers"]}
+    assert sources["RDMA buffer (num_rdma_bytes)"] == "csrc/legacy/config.hpp:75-99"
+    status = planner.main([str(a) for a in args + ["--deep-ep", "main"]])
+    assert status == 0 and "deep_ep main dd758ca" in capsys.readouterr().out
+    status = planner.main([str(a) for a in args])
+    assert status == 0 and "deep_ep hybrid-ep 94a9f8f" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("ep", [48, 96])
+def test_deep_ep_main_accepts_ep_48_and_96(ep, capsys):
+    """Main has configs for 48 and 96 ranks (legacy.py:252, 254); hybrid-ep refuses them
+    (buffer.py:252). bf16, H=7168 (hidden_bytes 14,336). EP96: main's 96-rank configs (20, 480,
+    12, 128) and (1, 480, 8, 128): 480 NVLink receive tokens, and 128 RDMA ones rounded to a
+    multiple of 12 and of 8: 132 and 128, 132 the larger."""
+    args = ["--hidden-size", 7168, "--num-experts", 2 * ep, "--moe-router-topk", 8,
+            "--num-layers", 1, "--expert-model-parallel-size", ep, "--tokens-per-rank",
+            4096, "--bf16"] + DEEPEP  # fmt: skip
+    data, _ = _plan_json(capsys, args + ["--deep-ep", "main"])
+    terms = {t["name"]: t["nbytes"] for t in data["buffers"]}
+    nvl_recv, rdma_recv = (288, 128) if ep == 48 else (480, 132)
+    rr = ep // 8
+    nvl = 10 * 8 * ((2 * rr + 3) * 4 + nvl_recv * (14336 + 8 + 128 * 16))
+    rdma = 10 * rr * (18 * 2 * 4 + rdma_recv * 2 * (14336 + 8 + 128 * 16 + 16))
+    assert terms["NVLink buffer (num_nvl_bytes)"] == -(-nvl // 128) * 128
+    assert terms["RDMA buffer (num_rdma_bytes)"] == -(-rdma // 128) * 128
+    line = _one_line_exit_2(capsys, args)
+    assert f"DeepEP has no config for {ep} ranks (deep_ep/buffer.py:252" in line
+
+
+def test_deep_ep_main_is_not_hybridep(capsys):
+    """HybridEP is on deep_ep's hybrid-ep branch only: choosing main for it is one line."""
+    args = V3 + ["--expert-model-parallel-size", 8, "--tokens-per-rank", 4096] + HYBRIDEP
+    line = _one_line_exit_2(capsys, args + ["--deep-ep", "main"])
+    assert "--deep-ep: 'main' applies to the deepep backend" in line
+    line = _one_line_exit_2(capsys, args + ["--deep-ep", "v3"])
+    assert "--deep-ep: 'v3' is not one of hybrid-ep, main" in line
+
+
+def test_help_teaches_every_flag():
+    """--help: every flag says what it is and its default (or that it is required), the
+    required ones marked; exit 0."""
+    done = _run("--help")
+    assert done.returncode == 0 and "Traceback" not in done.stderr
+    parser = planner.build_parser()
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        text = action.help or ""
+        required = action.dest in planner.REQUIRED
+        assert ("[required]" in text) == required, action.option_strings
+        assert required or "default" in text, action.option_strings
+    for flag in ("--hidden-size", "--num-experts", "--moe-router-topk", "--num-layers"):
+        assert flag in done.stdout
+    assert "[required]" in done.stdout and "NUM_OF_TOKENS_PER_CHUNK_COMBINE_API" in done.stdout
