@@ -800,7 +800,8 @@ class MoEMemoryConfig:
     """A model and parallel configuration, in TransformerConfig's field names.
 
     ``tokens_per_rank`` (T) defaults to ``seq_length x micro_batch_size / (TP x CP)``: the tokens
-    an MoE layer's dispatcher receives per call with sequence parallelism. ``ranks_per_node`` is
+    an MoE layer's dispatcher receives per call with sequence parallelism (``/ CP`` without it:
+    ``sequence_parallel=False``). ``ranks_per_node`` is
     the NVLink domain HybridEP detects (8 on an HGX node); the group spans
     ``ceil(ETP x EP / ranks_per_node)`` of them. ``routed_rows_factor`` scales the rows a rank's
     experts receive against balanced routing (T x top-k), at most EP (every routed pair of the
@@ -831,6 +832,7 @@ class MoEMemoryConfig:
     recompute_granularity: Optional[str] = None
     recompute_modules: Sequence[str] = ("core_attn",)
     bf16: bool = True
+    sequence_parallel: bool = True
     tokens_per_rank: Optional[int] = None
     ranks_per_node: int = 8
     routed_rows_factor: float = 1.0
@@ -864,10 +866,17 @@ class MoEMemoryConfig:
                 _positive(name, getattr(self, name))
         if self.tokens_per_rank is None and self.seq_length is None:
             raise ValueError("seq_length: needed (or tokens_per_rank)")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(
+                f"sequence_parallel: must be true or false, got {self.sequence_parallel!r}"
+            )
         if self.tokens_per_rank is None and (self.seq_length * self.micro_batch_size) % (
-            self.tensor_model_parallel_size * self.context_parallel_size
+            self._token_split
         ):
-            raise ValueError("seq_length: seq_length x micro_batch_size must divide by TP x CP")
+            raise ValueError(
+                "seq_length: seq_length x micro_batch_size must divide by "
+                + ("TP x CP" if self.sequence_parallel else "CP")
+            )
         if self.moe_token_dispatcher_type not in ("allgather", "alltoall", "flex"):
             raise ValueError(
                 f"moe_token_dispatcher_type: {self.moe_token_dispatcher_type!r} is not one of "
@@ -945,11 +954,14 @@ class MoEMemoryConfig:
         """T: tokens per MoE layer call on this rank."""
         if self.tokens_per_rank is not None:
             return self.tokens_per_rank
-        return (
-            self.seq_length
-            * self.micro_batch_size
-            // (self.tensor_model_parallel_size * self.context_parallel_size)
-        )
+        return self.seq_length * self.micro_batch_size // self._token_split
+
+    @property
+    def _token_split(self) -> int:
+        """The ranks a micro-batch's tokens are split over before the MoE layer: CP, and TP with
+        sequence parallelism (without it each TP rank holds the whole sequence)."""
+        tp = self.tensor_model_parallel_size if self.sequence_parallel else 1
+        return tp * self.context_parallel_size
 
     @property
     def moe_layers_per_rank(self) -> int:
@@ -1391,7 +1403,10 @@ INT_FIELDS = {
     "tokens_per_rank", "ranks_per_node",
 }  # fmt: skip
 FLOAT_FIELDS = ("routed_rows_factor", "moe_expert_rank_capacity_factor")
-BOOL_KEYS = ("bf16", "fp16", "moe_ncclep_zero_copy", "moe_enable_deepep")
+BOOL_KEYS = (
+    "bf16", "fp16", "moe_ncclep_zero_copy", "moe_enable_deepep", "moe_layer_recompute",
+    "sequence_parallel",
+)  # fmt: skip
 # Megatron-Bridge's YAML names this one differently from TransformerConfig.
 YAML_ALIASES = {"num_experts": "num_moe_experts"}
 TRANSFORMER_CONFIG = "megatron/core/transformer/transformer_config.py"
@@ -1496,8 +1511,9 @@ def read_config_file(path: str, notes: Optional[List[str]] = None) -> Dict[str, 
 def apply_deprecated(values: Dict[str, object], notes: List[str]) -> None:
     """Megatron's handling of the deprecated fields it still accepts, in place: the SM-count
     knobs route to ``moe_flex_dispatcher_num_sms`` unless it is set (``transformer_config.py``
-    1616-1635; two that differ are an error), ``moe_enable_deepep`` selects the deepep backend
-    of the flex dispatcher (1589-1598)."""
+    1616-1635; two that differ are an error), ``moe_layer_recompute`` is selective recompute
+    of ``moe`` (1835-1846), ``moe_enable_deepep`` selects the deepep backend of the flex
+    dispatcher (1589-1598)."""
     sms = {}
     for name in DEPRECATED_SMS:
         value = values.pop(name, None)
@@ -1515,6 +1531,20 @@ def apply_deprecated(values: Dict[str, object], notes: List[str]) -> None:
                     f"({TRANSFORMER_CONFIG}:1630-1634)"
                 )
             values["moe_flex_dispatcher_num_sms"] = next(iter(sms.values()))
+    if values.pop("moe_layer_recompute", False) is True:
+        if values.get("recompute_granularity") == "full":
+            raise ValueError(
+                "moe_layer_recompute: conflicts with recompute_granularity full; megatron "
+                f"refuses it ({TRANSFORMER_CONFIG}:1840-1843)"
+            )
+        values["recompute_granularity"] = "selective"
+        modules = values.get("recompute_modules") or ["core_attn"]
+        if isinstance(modules, (list, tuple)) and "moe" not in modules:
+            values["recompute_modules"] = list(modules) + ["moe"]
+        notes.append(
+            "moe_layer_recompute is deprecated; megatron reads it as recompute_granularity "
+            f"selective with moe among recompute_modules ({TRANSFORMER_CONFIG}:1835-1846)"
+        )
     enable = values.pop("moe_enable_deepep", False)
     if not isinstance(enable, bool):
         raise ValueError(f"moe_enable_deepep: must be true or false, got {enable!r}")
@@ -1591,6 +1621,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "the YAML's bf16, fp16 or params_dtype says otherwise)")  # fmt: skip
     opt.add_argument("--fp16", action="store_true", default=None,
                      help="16-bit activations, as --bf16 (default off)")  # fmt: skip
+    opt.add_argument("--sequence-parallel", action="store_true", default=None,
+                     help="sequence parallelism: tokens split over TP too (default: assumed on, "
+                     "with a note when TP > 1; the YAML's sequence_parallel: false turns it "
+                     "off)")  # fmt: skip
     opt.add_argument("--moe-ncclep-zero-copy", dest="moe_ncclep_zero_copy", action="store_true",
                      default=None, help="NCCL EP's zero-copy buffers (default off)")  # fmt: skip
     out = p.add_argument_group("input and output")
@@ -1627,7 +1661,17 @@ def config_from_args(
     values.update({n: getattr(args, n) for n in ARGS if getattr(args, n) is not None})
     if args.moe_ncclep_zero_copy:
         values["moe_ncclep_zero_copy"] = True
+    if args.sequence_parallel:
+        values["sequence_parallel"] = True
     _check_types(values)
+    tp = values.get("tensor_model_parallel_size")
+    if "sequence_parallel" not in values and isinstance(tp, int) and tp > 1:
+        if "tokens_per_rank" not in values:
+            notes.append(
+                "sequence_parallel not given: assumed on, T = seq x micro-batch / (TP x CP) "
+                "(megatron's default is off, and warns with EP and TP: model_parallel_config.py"
+                ":560-565)"
+            )
     apply_deprecated(values, notes)
     if args.bf16 or args.fp16:
         values["bf16"] = True

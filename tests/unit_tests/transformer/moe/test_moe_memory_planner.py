@@ -926,7 +926,7 @@ ODD_YAML = [".nan", ".inf", "-.inf", "-1", "0", "100000000000000000000", "abc", 
 YAML_FIELDS = sorted(planner.INT_FIELDS | set(planner.FLOAT_FIELDS)) + [
     "moe_token_dispatcher_type", "moe_layer_freq", "recompute_modules", "bf16", "fp16",
     "moe_ncclep_zero_copy", "moe_hybridep_num_sms", "moe_deepep_num_sms", "moe_enable_deepep",
-    "deep_ep",
+    "deep_ep", "sequence_parallel", "moe_layer_recompute",
 ]  # fmt: skip
 
 
@@ -958,7 +958,8 @@ def test_odd_yaml_values_never_trace_back(field_name, tmp_path, capsys):
 YAML_ACCEPTED = {
     ("moe_expert_rank_capacity_factor", "2.5"), ("moe_expert_rank_capacity_factor", "'12'"),
     ("moe_layer_freq", "'12'"), ("bf16", "true"), ("fp16", "true"),
-    ("moe_ncclep_zero_copy", "true"),
+    ("moe_ncclep_zero_copy", "true"), ("sequence_parallel", "true"),
+    ("moe_layer_recompute", "true"),
 }  # fmt: skip
 
 
@@ -1142,3 +1143,31 @@ def test_help_teaches_every_flag():
     for flag in ("--hidden-size", "--num-experts", "--moe-router-topk", "--num-layers"):
         assert flag in done.stdout
     assert "[required]" in done.stdout and "NUM_OF_TOKENS_PER_CHUNK_COMBINE_API" in done.stdout
+
+
+def test_sequence_parallel_and_moe_layer_recompute_are_read(tmp_path, capsys):
+    """sequence_parallel: false (megatron's default; it only warns with EP and TP) leaves each
+    TP rank the whole sequence: T = 4096 x 2 / CP 1 = 8,192, not / TP 2. Not given, the plan
+    assumes it on (T = 4,096) and says so. The deprecated moe_layer_recompute is selective
+    recompute of the MoE layer (the recompute leaf and its grad are kept), and with full
+    granularity megatron refuses it."""
+    head = ("model:\n  hidden_size: 64\n  num_moe_experts: 8\n  moe_router_topk: 2\n"
+            "  num_layers: 2\n  seq_length: 4096\n  tensor_model_parallel_size: 2\n"
+            "  expert_model_parallel_size: 2\ntrain:\n  micro_batch_size: 2\n")  # fmt: skip
+    data, err = _plan_json(capsys, ["--config-file", _yaml(tmp_path, head)])
+    assert data["derived"]["tokens_per_rank"] == 4096
+    assert "note: sequence_parallel not given: assumed on" in err
+    data, err = _plan_json(
+        capsys, ["--config-file", _yaml(tmp_path, head + "  sequence_parallel: false\n")]
+    )
+    assert data["derived"]["tokens_per_rank"] == 8192 and "note" not in err
+    data, err = _plan_json(
+        capsys, ["--config-file", _yaml(tmp_path, head + "  moe_layer_recompute: true\n")]
+    )
+    assert data["derived"]["recompute"] == "selective"
+    leaf = {t["name"]: t["nbytes"] for t in data["retained_per_layer"]}
+    assert leaf["recompute input leaf [T, H]"] == 4096 * 64 * 4  # fp32 activations
+    assert "note: moe_layer_recompute is deprecated" in err
+    line = _one_line_exit_2(capsys, ["--config-file", _yaml(tmp_path, head + (
+        "  moe_layer_recompute: true\n  recompute_granularity: full\n"))])  # fmt: skip
+    assert "transformer_config.py:1840-1843" in line
