@@ -14,6 +14,7 @@ Verbs:
   landed       which patches of a series a (newer) checkout already contains
   upstream     export the series for NVIDIA/Megatron-LM (git am-able, DCO-signed)
   port         carry the primary series onto the backport and upstream variant series (3-way)
+  apply        carry the nearest series onto a Megatron-LM checkout at any commit (3-way)
   matrix       the compatibility matrix: base x dispatcher x release tests at the last run
 
 The logic is pure functions over bytes (parse_series, parse_patch, apply_file_patch, ...); the
@@ -30,6 +31,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .apply import report_lines as apply_report_lines
+from .apply import run_apply
 from .check import check_base, find_installed_core, verify_installed
 from .common import UserError, log
 from .git import create_edit_repo, export_series
@@ -262,6 +265,23 @@ def _cmd_port(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _cmd_apply(args: argparse.Namespace) -> int:
+    co, result, done = run_apply(
+        Path(args.checkout), args.ref, args.dry_run,
+        Path(args.out) if args.out else None, args.branch,
+        Path(args.mirror) if args.mirror else None,
+    )  # fmt: skip
+    for line in apply_report_lines(co, result):
+        print(line)
+    if not result.ok:
+        print("CONFLICT: nothing written; the checkout is as it was. Resolve it as a stored "
+              "resolution (the path above), or apply at another --ref")  # fmt: skip
+        return 1
+    for line in done:
+        print(line)
+    return 0
+
+
 def _cmd_matrix(args: argparse.Namespace) -> int:
     if args.record:
         if not args.junit:
@@ -389,6 +409,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dry-run", action="store_true", help="report only, write nothing")
     p.set_defaults(func=_cmd_port)  # fmt: skip
+    p = sub.add_parser(
+        "apply",
+        help="carry the nearest series onto a Megatron-LM git checkout at any commit (3-way)",
+        description="find the stored series nearest to REF by ancestry (main, dev or a release "
+        "branch; the closest stored base on it), merge each of its patches onto REF (3-way, "
+        "replaying resolutions stored in <series>/apply/<commit12>/) and commit each on a new "
+        "branch, or write git am -3-able files to --out. Reports per patch: applied, landed, "
+        "not applicable (with the evidence) or conflict (file, hunk, both sides). Exit status "
+        "1 on a conflict (nothing is written), 2 on bad input; HEAD, the index and the work "
+        "tree are never touched.",
+    )
+    p.add_argument("checkout", metavar="CHECKOUT", help="a Megatron-LM git checkout (clean)")
+    p.add_argument("--ref", help="the commit to apply to (default: HEAD)")
+    p.add_argument("--dry-run", action="store_true", help="report only, write nothing")
+    p.add_argument("--out", metavar="DIR", help="write git am-able files here instead of a branch")
+    p.add_argument("--branch", metavar="NAME",
+                   help="the new branch (default: moe-release/<commit12>)")  # fmt: skip
+    p.add_argument(
+        "--mirror",
+        metavar="CHECKOUT",
+        default=os.environ.get("MOE_RELEASE_MEGATRON_LM"),
+        help="where main/dev bases' files are read when CHECKOUT lacks the pinned commit "
+        "(default: $MOE_RELEASE_MEGATRON_LM)",
+    )
+    p.set_defaults(func=_cmd_apply)
     p = sub.add_parser(
         "matrix",
         help="print the compatibility matrix (base x dispatcher x release tests, last run)",

@@ -145,7 +145,17 @@ def landed_states(checkout: Path, patches: list[Patch]) -> list[PatchState]:
         raise UserError(f"{checkout}: checkout is not a directory")
     if not (checkout / "megatron" / "core").is_dir():
         raise UserError(f"{checkout}: not a checkout (no megatron/core in it)")
-    files = _Files(checkout)
+    return _series_states(_Files(checkout), patches)
+
+
+def files_series_states(
+    files: Mapping[str, Optional[bytes]], patches: list[Patch]
+) -> list[PatchState]:
+    """:func:`landed_states` over in-memory files (path -> bytes, None or not given: absent)."""
+    return _series_states(_Files(Path(), files), patches)
+
+
+def _series_states(files: _Files, patches: list[Patch]) -> list[PatchState]:
     landed = set()
     for patch in reversed(patches):
         if files.state(patch).verdict != "landed":

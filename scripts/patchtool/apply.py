@@ -1,0 +1,572 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""`apply`: carry the nearest stored series onto a Megatron-LM git checkout at any commit.
+
+Most users pin a Megatron-LM commit, not a release. ``apply CHECKOUT [--ref REF]`` finds the
+series whose base is nearest to REF by ancestry: the line REF is on (``main``, ``dev`` or a
+release branch ``core_r*``: REF on the first-parent history of the line's stored base, or the
+base on REF's; a release branch's commits from before its fork from main are main's) and, on
+it, the stored base fewest commits away (a commit base such as ``main-d98e8a6``, or a release
+whose tag the checkout has). Each patch of that series is then merged onto REF, file by file,
+as ``port`` merges (``git merge-file``: base = the stored base's file before the patch,
+theirs = after it, ours = REF's file with the earlier patches applied); a file the checkout
+has under another name (a rename between the base and REF) is merged where REF has it. Per
+patch the result is
+
+- ``applied``: the merge is clean;
+- ``applied, resolution replayed``: a person's resolution for this commit, stored as
+  ``<series dir>/apply/<commit12>/<patch stem>.diff`` (port's resolution format: the diff
+  from the mechanical merge, conflict markers included, to the resolved files), is replayed;
+- ``landed``: REF already holds the change (``landed``'s test over the whole series);
+- ``not applicable``: no file it changes exists at REF (where it went is the evidence);
+- ``conflict``: file, line, the patch's hunk, both sides and where a resolution would go.
+
+The commits are built in a scratch repository that borrows the checkout's objects; only when
+every patch is applied or landed is a new branch fetched into the checkout (its HEAD, index
+and work tree are never touched), or, with ``--out``, ``git format-patch --full-index`` files
+written whose ``index`` lines name REF's blobs, so ``git am -3`` can fall back to a 3-way merge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .common import REPO_ROOT, UserError, log
+from .git import FORMAT_PATCH_FLAGS, git, git_env
+from .landed import files_series_states
+from .patches import Patch, apply_file_patch, parse_patch
+from .pins import Base, load_pins
+from .port import (
+    Conflict,
+    Files,
+    Resolution,
+    _author,
+    _stem,
+    apply_with_offset,
+    has_markers,
+    merge_patch,
+    parse_diff,
+)
+from .repo import read_series
+from .source import read_base_files
+from .trees import atomic_directory, check_target_dir
+
+# The oldest series' line, core_r0.16.0 (0.16.1), forked from main on 2026-02-02 (f4502eb);
+# a commit older than that is older than every series.
+SERIES_START = datetime.date(2026, 2, 1)
+APPLY_DIR = "apply"  # <series dir>/apply/<commit12>/<patch stem>.diff: resolutions for a commit
+BRANCH_PREFIX = "moe-release/"
+
+APPLIED, REPLAYED, LANDED, NOT_APPLICABLE, CONFLICT = (
+    "applied",
+    "applied, resolution replayed",
+    "landed",
+    "not applicable",
+    "conflict",
+)
+# On ties between lines (a commit on two first-parent histories), the earlier kind wins.
+LINE_ORDER = ("main", "release", "dev")
+
+
+# ----------------------------------------------------------------------------- the checkout
+
+
+@dataclasses.dataclass
+class Checkout:
+    """A Megatron-LM git repository the user named (a work tree or a bare repository)."""
+
+    path: Path
+    objects: Path  # its object directory, which the scratch repository borrows
+    bare: bool
+
+    def run(self, *args: str, input: Optional[bytes] = None) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+        env.update(GIT_CONFIG_NOSYSTEM="1", LC_ALL="C")
+        return subprocess.run(
+            ["git", "-C", str(self.path), *args], capture_output=True, input=input, env=env
+        )
+
+    def out(self, *args: str) -> str:
+        done = self.run(*args)
+        if done.returncode != 0:
+            msg = done.stderr.decode(errors="replace").strip().splitlines()
+            raise UserError(f"git {args[0]} failed in {self.path}: {msg[0] if msg else '?'}")
+        return done.stdout.decode().strip()
+
+    def has(self, rev: str) -> Optional[str]:
+        """The commit ``rev`` names in the checkout (None: it has none)."""
+        done = self.run("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+        return done.stdout.decode().strip() if done.returncode == 0 else None
+
+    def is_ancestor(self, a: str, b: str) -> bool:
+        return self.run("merge-base", "--is-ancestor", a, b).returncode == 0
+
+    def count(self, spec: str) -> int:
+        return int(self.out("rev-list", "--count", spec))
+
+    def first_parents(self, rev: str) -> set[str]:
+        return set(self.out("rev-list", "--first-parent", rev).split())
+
+    def describe(self, rev: str) -> str:
+        """``abcdef123456 (2026-08-13, "subject")``."""
+        text = self.out("log", "-1", "--format=%h%x00%cs%x00%s", "--abbrev=12", rev)
+        short, date, subject = text.split("\0")
+        return f'{short} ({date}, "{subject[:60]}")'
+
+    def date(self, rev: str) -> datetime.date:
+        return datetime.date.fromisoformat(self.out("log", "-1", "--format=%cs", rev))
+
+    def files(self, rev: str, paths: Sequence[str]) -> Files:
+        """The files at ``rev`` (None: absent)."""
+        paths = sorted(set(paths))
+        done = self.run(
+            "cat-file", "--batch", input="".join(f"{rev}:{p}\n" for p in paths).encode()
+        )
+        if done.returncode != 0:
+            raise UserError(f"{self.path}: git cat-file failed")
+        out: Files = {}
+        data, pos = done.stdout, 0
+        for path in paths:
+            end = data.index(b"\n", pos)
+            head = data[pos:end].split()
+            pos = end + 1
+            if head[-1] == b"missing" or head[1] != b"blob":
+                out[path] = None
+                continue
+            size = int(head[2])
+            out[path] = data[pos : pos + size]
+            pos += size + 1
+        return out
+
+
+def open_checkout(path: Path) -> Checkout:
+    """The git repository at ``path``, refused (one line) if it is none."""
+    if not path.is_dir():
+        raise UserError(f"{path}: not a git checkout (no such directory)")
+    probe = Checkout(path, Path(), False)
+    done = probe.run("rev-parse", "--is-bare-repository", "--git-common-dir")
+    if done.returncode != 0:
+        raise UserError(f"{path}: not a git checkout")
+    bare, common = done.stdout.decode().split("\n")[:2]
+    common_dir = Path(common) if Path(common).is_absolute() else path / common
+    if bare != "true":
+        top = probe.run("rev-parse", "--show-toplevel").stdout.decode().strip()
+        if Path(top).resolve() != path.resolve():
+            raise UserError(f"{path}: not the top of a git checkout (that is {top})")
+    return Checkout(path, (common_dir / "objects").resolve(), bare == "true")
+
+
+def check_clean(co: Checkout) -> None:
+    """Refuse a work tree with uncommitted changes to tracked files."""
+    if co.bare:
+        return
+    done = co.run("status", "--porcelain", "--untracked-files=no")
+    status = done.stdout.decode(errors="replace").splitlines()
+    if status:
+        raise UserError(f"{co.path}: work tree not clean ({len(status)} changed file(s), first: "
+                        f"{status[0][3:]}); commit or stash them first")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the nearest series
+
+
+@dataclasses.dataclass
+class Choice:
+    """The stored series nearest to REF, and why."""
+
+    base: Base
+    line: str  # main, dev or the release branch
+    anchor: str  # the commit in the checkout that stands for the base
+    why: str
+    candidates: list[str]  # the other series on REF's line, with their distances
+    root: Path = REPO_ROOT
+
+    @property
+    def series_dir(self) -> Path:
+        return self.base.series_dir(self.root)
+
+
+def _line_kind(base: Base) -> str:
+    return base.branch if base.branch in ("main", "dev") else "release"
+
+
+def _anchors(co: Checkout, root: Path) -> list[tuple[Base, str, str]]:
+    """Per pinned base with a series: the commit standing for it in the checkout, and how."""
+    out = []
+    for base in load_pins(root / "patches" / "pins.toml").bases.values():
+        if not (base.series_dir(root) / "series").exists():
+            continue
+        if base.is_commit:
+            commit = co.has(base.commit)
+            if commit:
+                out.append((base, commit, f"{base.branch} {base.commit[:12]}"))
+            continue
+        commit = co.has(f"refs/tags/{base.tag}")
+        if commit:
+            out.append((base, commit, f"tag {base.tag}"))
+            continue
+        if Path(base.series).name in (base.branch, "patches"):  # the branch's own series
+            for ref in (f"refs/heads/{base.branch}", f"refs/remotes/origin/{base.branch}"):
+                commit = co.has(ref)
+                if commit:
+                    out.append((base, commit, f"{ref} (tag {base.tag} not in the checkout)"))
+                    break
+    return out
+
+
+def choose_series(co: Checkout, ref: str, root: Path = REPO_ROOT) -> Choice:
+    """The stored series whose base is nearest to ``ref`` on the line ``ref`` is on."""
+    if co.date(ref) < SERIES_START:
+        raise UserError(f"{co.describe(ref)} is older than every series (the oldest line, "
+                        f"core_r0.16.0, starts {SERIES_START}); use a newer commit")  # fmt: skip
+    anchors = _anchors(co, root)
+    if not anchors:
+        raise UserError(f"{co.path}: holds none of the stored bases (main and dev commits, "
+                        "release tags): git fetch origin --tags main dev")  # fmt: skip
+    main = next((a for b, a, _ in anchors if b.branch == "main" and b.is_commit), None)
+    ref_fp = co.first_parents(ref)
+    found = []
+    for base, anchor, how in anchors:
+        own, ahead = co.count(f"{anchor}..{ref}"), co.count(f"{ref}..{anchor}")
+        if own and ahead:
+            continue  # REF left the line
+        if own and anchor not in ref_fp:
+            continue  # REF is newer, but reached the base through a merge, not along the line
+        if not own and ref not in co.first_parents(anchor):
+            continue  # the base holds REF only through a merge
+        if _line_kind(base) != "main" and main is not None:
+            fork = co.out("merge-base", anchor, main)
+            if co.is_ancestor(ref, fork):
+                continue  # a main commit from before the line left main
+        found.append((own + ahead, LINE_ORDER.index(_line_kind(base)), base, anchor, how, own))
+    if not found:
+        lines = ", ".join(sorted({b.branch for b, _, _ in anchors}))
+        raise UserError(f"{co.describe(ref)} is on no known line (not on the first-parent "
+                        f"history of {lines} from a stored base)")  # fmt: skip
+    found.sort(key=lambda f: (f[0], f[1]))
+    dist, _, base, anchor, how, own = found[0]
+    days = abs((co.date(anchor) - co.date(ref)).days)
+    where = "the same commit as" if not dist else (
+        f"{dist} commits ({days} days) {'before' if own else 'after'}")  # fmt: skip
+    why = (f"{base.branch}: REF is on {base.branch}'s first-parent history and {how} "
+           f"(pin {base.name}) is {where} it")  # fmt: skip
+    if dist:
+        why += f"; merge-base {co.out('merge-base', '--', ref, anchor)[:12]}"
+    others = [f"{b.name} ({d} commits)" for d, _, b, *_ in found[1:]]
+    return Choice(base, base.branch, anchor, why, others, root)
+
+
+# ----------------------------------------------------------------------------- the merge
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What happened to one patch of the series at REF."""
+
+    patch: str
+    verdict: str
+    note: str = ""
+    conflicts: list[Conflict] = dataclasses.field(default_factory=list)
+    resolution: Optional[Path] = None  # where a resolution for REF is (or would be) stored
+
+
+@dataclasses.dataclass
+class ApplyResult:
+    ref: str
+    choice: Choice
+    outcomes: list[Outcome]
+    commit: Optional[str]  # the last commit built in the scratch repository (None: none)
+    ok: bool
+
+
+def resolution_path(choice: Choice, ref: str, patch_name: str) -> Path:
+    """Where a person's resolution of ``patch_name`` at commit ``ref`` is stored."""
+    return choice.series_dir / APPLY_DIR / ref[:12] / f"{_stem(patch_name)}.diff"
+
+
+def _series_states(
+    base_files: dict[str, bytes], series: list[tuple[str, bytes]]
+) -> list[tuple[Patch, Files, Files]]:
+    files: Files = dict(base_files)
+    out = []
+    for name, data in series:
+        patch = parse_patch(data, name)
+        before = {fp.path: files.get(fp.path) for fp in patch.files}
+        for fp in patch.files:
+            files[fp.path] = apply_file_patch(files.get(fp.path), fp, name)
+        out.append((patch, before, {fp.path: files.get(fp.path) for fp in patch.files}))
+    return out
+
+
+def _renames(co: Checkout, anchor: str, ref: str, paths: set[str]) -> dict[str, str]:
+    """Files of the base at ``paths`` that REF has under another name (git's rename test)."""
+    text = co.out("diff", "-M", "--diff-filter=R", "--name-status", "-z", anchor, ref)
+    fields = text.split("\0")
+    out = {}
+    for i in range(0, len(fields) - 2, 3):
+        if fields[i].startswith("R") and fields[i + 1] in paths:
+            out[fields[i + 1]] = fields[i + 2]
+    return out
+
+
+def _evidence(co: Checkout, ref: str, anchor: str, path: str) -> str:
+    """Why ``path`` is absent at REF: the commit that removed it, or the one that added it."""
+    gone = co.out("log", "-1", "--format=%h %cs %s", "--abbrev=12", ref, "--", path)
+    if gone:
+        return f"{path}: removed at REF by {gone[:90]}"
+    added = co.out("log", "-1", "--diff-filter=A", "--format=%h %cs %s", "--abbrev=12",
+                   anchor, "--", path)  # fmt: skip
+    if added:
+        return f"{path}: not at REF; added later by {added[:90]}"
+    return f"{path}: not at REF"
+
+
+class _Scratch:
+    """A scratch repository borrowing the checkout's objects, where the commits are built."""
+
+    def __init__(self, path: Path, co: Checkout):
+        self.path = path
+        path.mkdir(parents=True, exist_ok=True)
+        git(path, "init", "--quiet", "--bare")
+        (path / "objects" / "info" / "alternates").write_text(f"{co.objects}\n")
+        self.env = git_env({"GIT_INDEX_FILE": str(path / "apply-index")})
+
+    def commit(self, parent: str, files: dict[str, Optional[bytes]], patch: Patch) -> str:
+        git(self.path, "read-tree", parent, env=self.env)
+        entries = []
+        for path, data in sorted(files.items()):
+            if data is None:
+                entries.append(f"0 {'0' * 40}\t{path}\n")
+                continue
+            blob = git(self.path, "hash-object", "-w", "--stdin", input=data).decode().strip()
+            mode = self._mode(parent, path)
+            entries.append(f"{mode} {blob}\t{path}\n")
+        git(self.path, "update-index", "--index-info", env=self.env,
+            input="".join(entries).encode())  # fmt: skip
+        tree = git(self.path, "write-tree", env=self.env).decode().strip()
+        name, email, date = _author(patch)
+        env = git_env(dict(GIT_AUTHOR_NAME=name, GIT_AUTHOR_EMAIL=email, GIT_AUTHOR_DATE=date,
+                           GIT_COMMITTER_DATE=date))  # fmt: skip
+        msg = patch.subject + "\n\n" + patch.message.strip("\n") + "\n"
+        return (
+            git(self.path, "commit-tree", tree, "-p", parent, "-F", "-", env=env,
+                input=msg.encode()).decode().strip()
+        )  # fmt: skip
+
+    def _mode(self, rev: str, path: str) -> str:
+        done = subprocess.run(["git", "-C", str(self.path), "ls-tree", rev, "--", path],
+                              capture_output=True, env=git_env())  # fmt: skip
+        line = done.stdout.decode().split()
+        return line[0] if line else "100644"
+
+
+def apply_series(
+    co: Checkout,
+    ref: str,
+    scratch: Path,
+    mirror: Optional[Path] = None,
+    root: Path = REPO_ROOT,
+) -> ApplyResult:
+    """Merge the nearest series onto ``ref``, building one commit per applied patch in a
+    scratch repository at ``scratch`` (an empty directory); the checkout is only read."""
+    choice = choose_series(co, ref, root)
+    base = choice.base
+    log(f"{co.describe(ref)}: nearest series {base.series} ({choice.why})")
+    source = co.path if base.is_commit and co.has(base.commit) else mirror
+    base_files = read_base_files(base, source)
+    series = read_series(base, root)
+    states = _series_states(base_files, series)
+    adir = choice.series_dir / APPLY_DIR / ref[:12]
+    stored = {p.name: p.read_bytes() for p in sorted(adir.glob("*.diff"))} if adir.is_dir() else {}
+    stems = {_stem(p.name) for p, _, _ in states}
+    stale = [n for n in stored if n[: -len(".diff")] not in stems]
+    if stale:
+        raise UserError(f"{adir / stale[0]}: a resolution for no patch of {base.series}")
+    paths = {fp.path for p, _, _ in states for fp in p.files}
+    paths |= {fp.path for n, d in stored.items() for fp in parse_diff(Resolution.parse(d).diff, n)}
+    at_ref = co.files(ref, sorted(paths))
+    moved = _renames(co, choice.anchor, ref, {p for p in paths if at_ref.get(p) is None})
+    if moved:
+        at_ref.update(co.files(ref, sorted(moved.values())))
+        for old, new in moved.items():
+            at_ref[old] = at_ref.pop(new)
+    landed = files_series_states(at_ref, [p for p, _, _ in states])
+    ours: Files = dict(at_ref)
+    outcomes: list[Outcome] = []
+    repo = _Scratch(scratch, co)
+    head = ref
+    failed: dict[str, str] = {}  # file -> the patch that conflicted there
+    for (patch, before, after), state in zip(states, landed, strict=True):
+        out = Outcome(patch.name, APPLIED, resolution=resolution_path(choice, ref, patch.name))
+        outcomes.append(out)
+        after_conflict = sorted({failed[fp.path] for fp in patch.files if fp.path in failed})
+        if state.verdict == "landed":
+            out.verdict, out.note = LANDED, state.counts()
+            continue
+        merged, conflicts = merge_patch(ours, before, after, patch)
+        result: Files = dict(ours)
+        result.update(merged)
+        res_data = stored.get(out.resolution.name)
+        if res_data is not None:
+            res = Resolution.parse(res_data)
+            try:
+                for fp in parse_diff(res.diff, str(out.resolution)):
+                    result[fp.path] = apply_with_offset(
+                        result.get(fp.path), fp, str(out.resolution)
+                    )
+            except UserError as exc:
+                out.verdict, out.note, out.conflicts = CONFLICT, str(exc), conflicts
+                failed.update({fp.path: patch.name for fp in patch.files})
+                continue
+            unresolved = [c for c in conflicts if c.absent and c.path not in res.absent]
+            unresolved += [c for c in conflicts if not c.absent and has_markers(result.get(c.path))]
+            if unresolved:
+                out.verdict, out.conflicts = CONFLICT, unresolved
+                out.note = "the stored resolution does not resolve these"
+                failed.update({c.path: patch.name for c in unresolved})
+                continue
+            out.verdict = REPLAYED
+        elif conflicts:
+            modified = [fp.path for fp in patch.files if not fp.new_file]
+            if modified and all(ours.get(p) is None for p in modified):
+                out.verdict = NOT_APPLICABLE
+                out.note = "; ".join(_evidence(co, ref, choice.anchor, p) for p in modified)
+            else:
+                out.verdict, out.conflicts = CONFLICT, conflicts
+                if after_conflict:
+                    out.note = f"after the conflict of {', '.join(after_conflict)}"
+                failed.update({c.path: patch.name for c in conflicts})
+            continue
+        changed = {p: result.get(p) for p in result if result.get(p) != ours.get(p)}
+        if not changed:
+            out.verdict, out.note = LANDED, "nothing left to change"
+            continue
+        ours = result
+        head = repo.commit(head, {moved.get(p, p): d for p, d in changed.items()}, patch)
+        if moved.keys() & changed.keys():
+            out.note = ", ".join(f"{p} merged as {moved[p]}" for p in moved if p in changed)
+    ok = all(o.verdict != CONFLICT for o in outcomes)
+    if ok and head != ref:
+        git(scratch, "update-ref", "refs/heads/apply", head)
+    return ApplyResult(ref, choice, outcomes, head if head != ref else None, ok)
+
+
+def report_lines(co: Checkout, result: ApplyResult) -> list[str]:
+    """Per patch its verdict; a conflict with its file, hunk, both sides and where a stored
+    resolution would go."""
+    choice = result.choice
+    out = [
+        f"REF {co.describe(result.ref)}",
+        f"series: {choice.base.series} over {choice.base.describe()}",
+        f"  why: {choice.why}",
+    ]
+    if choice.candidates:
+        out.append(f"  also on this line, farther: {', '.join(choice.candidates)}")
+    for o in result.outcomes:
+        note = f" ({o.note})" if o.note else ""
+        out.append(f"  {o.verdict:30} {o.patch}{note}")
+        for c in o.conflicts:
+            out.append(f"      {c.describe()}")
+            if not c.absent:
+                for side, lines in (("REF", c.ours), ("series", c.theirs)):
+                    out.append(f"        {side}:")
+                    shown = (line.decode(errors="replace").rstrip("\n") for line in lines[:12])
+                    out.extend("          | " + line for line in shown)
+                    if len(lines) > 12:
+                        out.append(f"          | ... ({len(lines) - 12} more lines)")
+        if o.verdict == CONFLICT and o.resolution is not None:
+            rel = o.resolution.relative_to(choice.root) if o.resolution.is_relative_to(
+                choice.root) else o.resolution  # fmt: skip
+            out.append(f"      needs a stored resolution: {rel}")
+    counts = {v: sum(o.verdict == v for o in result.outcomes)
+              for v in (APPLIED, REPLAYED, LANDED, NOT_APPLICABLE, CONFLICT)}  # fmt: skip
+    out.append(", ".join(f"{n} {v}" for v, n in counts.items() if n))
+    return out
+
+
+# ----------------------------------------------------------------------------- the verb
+
+
+def already_has_series(co: Checkout, ref: str, root: Path = REPO_ROOT) -> Optional[str]:
+    """A commit among REF's last first-parent commits whose subject is a stored series
+    patch's (what `apply` commits), described; None if there is none."""
+    subjects = set()
+    for base in load_pins(root / "patches" / "pins.toml").bases.values():
+        if (base.series_dir(root) / "series").exists():
+            subjects |= {parse_patch(d, n).subject for n, d in read_series(base, root)}
+    log_text = co.out("log", "--first-parent", "-n", "64", "--format=%h%x00%s", "--abbrev=12", ref)
+    for line in log_text.splitlines():
+        short, _, subject = line.partition("\0")
+        if subject in subjects:
+            return f'{short} ("{subject[:60]}")'
+    return None
+
+
+def run_apply(
+    checkout: Path,
+    ref: Optional[str] = None,
+    dry_run: bool = False,
+    out_dir: Optional[Path] = None,
+    branch: Optional[str] = None,
+    mirror: Optional[Path] = None,
+    root: Optional[Path] = None,
+) -> tuple[Checkout, ApplyResult, list[str]]:
+    """The verb: bad input refused (UserError) before anything is written; then the merge, and
+    on full success the branch (or the --out files). Returns what was done, in lines."""
+    root = root or REPO_ROOT
+    co = open_checkout(checkout)
+    rev = ref or "HEAD"
+    commit = co.has(rev)
+    if commit is None:
+        raise UserError(f"{checkout}: unknown ref {rev!r}")
+    if co.run("cat-file", "-e", f"{commit}:megatron/core").returncode != 0:
+        raise UserError(f"{checkout}: {rev} is not a Megatron-LM commit (no megatron/core)")
+    check_clean(co)
+    if out_dir is not None and branch is not None:
+        raise UserError("--out and --branch exclude each other (--out writes files, no branch)")
+    if out_dir is not None and not dry_run:
+        check_target_dir(out_dir)
+    name = branch or f"{BRANCH_PREFIX}{commit[:12]}"
+    if out_dir is None and not dry_run:
+        if co.run("check-ref-format", "--branch", name).returncode != 0:
+            raise UserError(f"--branch {name!r}: not a valid branch name")
+        if co.has(f"refs/heads/{name}"):
+            raise UserError(f"{checkout}: branch {name} exists; delete it or give --branch NAME")
+    have = already_has_series(co, commit, root)
+    if have:
+        raise UserError(f"{rev} already has the series: its history has {have}, one of its "
+                        "patches (apply to the commit before them)")  # fmt: skip
+    done: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="moe-apply-") as tmp:
+        scratch = Path(tmp) / "scratch.git"
+        result = apply_series(co, commit, scratch, mirror, root)
+        if not result.ok or dry_run:
+            return co, result, ["(dry run: nothing written)"] if dry_run and result.ok else []
+        if result.commit is None:
+            return co, result, ["nothing to apply: every patch is already at REF"]
+        if out_dir is not None:
+            with atomic_directory(out_dir, make_parents=False) as dest:
+                git(scratch, "-c", "diff.noprefix=false", "-c", "diff.mnemonicPrefix=false",
+                    "-c", "diff.algorithm=myers", "format-patch", *FORMAT_PATCH_FLAGS,
+                    "--output-directory", str(dest), f"{commit}..refs/heads/apply")  # fmt: skip
+            files = sorted(p.name for p in out_dir.iterdir())
+            done.append(f"wrote {len(files)} patch(es) to {out_dir} for git am -3 at "
+                        f"{commit[:12]}")  # fmt: skip
+            done.extend(f"  {f}" for f in files)
+        else:
+            fetched = co.run("fetch", "--quiet", "--no-tags", "--no-write-fetch-head",
+                             str(scratch), f"refs/heads/apply:refs/heads/{name}")  # fmt: skip
+            if fetched.returncode != 0:
+                msg = fetched.stderr.decode(errors="replace").strip().splitlines()
+                raise UserError(f"{checkout}: could not create branch {name}: "
+                                f"{msg[0] if msg else '?'}")  # fmt: skip
+            done.append(f"branch {name} at {result.commit[:12]}: "
+                        f"{co.count(f'{commit}..{name}')} commit(s) on {commit[:12]}; "
+                        f"git switch {name}")  # fmt: skip
+    return co, result, done

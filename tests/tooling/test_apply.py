@@ -1,0 +1,384 @@
+"""`moe_release.py apply`: the nearest series carried onto a Megatron-LM checkout at any commit,
+on a synthetic Megatron-shaped git repository built here (main and dev lines, one pinned base
+on each, a series for each), and once on the real mirror where it is at hand."""
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import AUTHOR, TRAILERS
+
+from patchtool import apply as apply_mod
+from patchtool import cli
+from patchtool.apply import (
+    APPLIED,
+    CONFLICT,
+    LANDED,
+    NOT_APPLICABLE,
+    REPLAYED,
+    open_checkout,
+    resolution_path,
+    run_apply,
+)
+from patchtool.common import UserError
+from patchtool.git import format_patches, git, git_env
+from patchtool.port import Resolution, file_diff, merge_file
+
+MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
+TD = "megatron/core/transformer/moe/token_dispatcher.py"
+FA = "megatron/core/transformer/moe/fused_a2a.py"
+PS = "megatron/core/transformer/moe/paged_stash.py"
+PACKAGE_INFO = "MAJOR = 0\nMINOR = 20\nPATCH = 0\nPRE_RELEASE = ''\n"
+HELPERS = "".join(f"\n\ndef helper_{i}():\n    return {i}\n" for i in range(1, 13))
+DISPATCHER = (
+    '''"""Token dispatchers."""
+
+
+class MoETokenDispatcher:
+    """Base."""
+
+    def __init__(self, config):
+        self.config = config
+        self.routing_map = None
+        self.probs = None
+
+    def dispatch(self, tokens, routing_map, probs):
+        self.routing_map = routing_map
+        self.probs = probs
+        return tokens
+
+    def combine(self, tokens):
+        output = tokens * 1
+        return output
+'''
+    + HELPERS
+)
+FUSED = '''"""Fused all-to-all."""
+
+_buffer = None
+
+
+def get_buffer(group):
+    global _buffer
+    if _buffer is None:
+        _buffer = object()
+    return _buffer
+'''
+FUSED_PER_GROUP = '''"""Fused all-to-all."""
+
+_buffer = None
+_buffers = {}
+
+
+def get_buffer(group):
+    global _buffer
+    if group not in _buffers:
+        _buffers[group] = object()
+    _buffer = _buffers[group]
+    return _buffer
+'''
+STASH = '"""Paged stash."""\n\nimport triton\n'
+STASH_CPU = (
+    '"""Paged stash."""\n\ntry:\n    import triton\nexcept ImportError:\n    triton = None\n'
+)
+RELEASE = "        self.routing_map = None\n        self.probs = None\n"
+P_STASH = "MoE-Let-the-paged-stash-import-without-Triton.patch"
+P_RELEASE = "MoE-Release-dispatcher-state-after-combine.patch"
+P_BUFFER = "MoE-Keep-one-buffer-per-process-group.patch"
+
+
+def _git(repo: Path, *args: str, date: str = "2026-06-01T12:00:00+00:00") -> str:
+    env = git_env(dict(AUTHOR, GIT_AUTHOR_DATE=date, GIT_COMMITTER_DATE=date))
+    return git(repo, *args, env=env).decode().strip()
+
+
+def _commit(repo: Path, date: str, msg: str, files: dict) -> str:
+    for rel, text in files.items():
+        path = repo / rel
+        if text is None:
+            path.unlink()
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    _git(repo, "add", "--all")
+    _git(repo, "commit", "--quiet", "-m", msg, date=date)
+    return _git(repo, "rev-parse", "HEAD")
+
+
+def _series(work: Path, base: str, changes: list) -> list:
+    """The series (file name, mbox) of ``changes`` (subject, files) made on ``base``."""
+    _git(work, "checkout", "--quiet", "--detach", base)
+    _git(work, "tag", "-f", "base", base)
+    for subject, files in changes:
+        _commit(work, "2026-11-29T12:00:00+00:00", f"{subject}\n\nBody.\n\n{TRAILERS}", files)
+    out = format_patches(work)
+    _git(work, "checkout", "--quiet", "main")
+    return out
+
+
+def _snapshot(repo: Path) -> tuple:
+    """What a failed apply must leave as it was: refs, HEAD, index and work tree."""
+    return (
+        _git(repo, "for-each-ref", "--format=%(refname) %(objectname)"),
+        _git(repo, "rev-parse", "HEAD"),
+        _git(repo, "symbolic-ref", "-q", "HEAD"),
+        _git(repo, "ls-files", "-s"),
+        _git(repo, "status", "--porcelain"),
+        {p: p.read_bytes() for p in repo.rglob("*.py")},
+    )
+
+
+@pytest.fixture
+def mlm(tmp_path, repo, monkeypatch):
+    """A Megatron-shaped repository (main: c0 .. c5, dev forked at c1) and the tooling's
+    ``repo`` copy with main's and dev's pinned bases and series replaced by synthetic ones."""
+    m = tmp_path / "Megatron-LM"
+    m.mkdir()
+    _git(m, "init", "--quiet", "--initial-branch=main")
+    c = {}
+    c[0] = _commit(m, "2026-01-10T12:00:00+00:00", "initial", {
+        "megatron/core/__init__.py": "", "megatron/core/package_info.py": PACKAGE_INFO,
+        TD: DISPATCHER, FA: FUSED})  # fmt: skip
+    c[1] = _commit(m, "2026-03-02T12:00:00+00:00", "docs", {"README.md": "Megatron-LM\n"})
+    c[2] = _commit(m, "2026-03-20T12:00:00+00:00", "combine clones (#2)",
+                   {TD: DISPATCHER.replace("tokens * 1", "tokens.clone()")})  # fmt: skip
+    c[3] = _commit(m, "2026-04-10T12:00:00+00:00", "paged stash (#3)", {PS: STASH})
+    c[4] = _commit(m, "2026-05-01T12:00:00+00:00", "helper 12 (#4)", {TD: DISPATCHER.replace(
+        "tokens * 1", "tokens.clone()").replace("return 12", "return 120")})  # fmt: skip
+    td_b = DISPATCHER.replace("tokens * 1", "tokens.clone()").replace("return 12", "return 120")
+    c["B"] = _commit(m, "2026-06-01T12:00:00+00:00", "helper 1 (#5)",
+                     {TD: td_b.replace("return 1\n", "return 10\n")})  # fmt: skip
+    c[5] = _commit(m, "2026-07-01T12:00:00+00:00", "buffer per group (#6)", {FA: FUSED_PER_GROUP})
+    _git(m, "checkout", "--quiet", "-b", "dev", c[1])
+    c["d1"] = _commit(m, "2026-03-10T12:00:00+00:00", "[dev] routing", {
+        TD: DISPATCHER.replace("return 3\n", "return 33\n")})  # fmt: skip
+    c["D"] = _commit(
+        m,
+        "2026-05-10T12:00:00+00:00",
+        "[dev] more routing",
+        {TD: DISPATCHER.replace("return 3\n", "return 33\n").replace("return 5\n", "return 55\n")},
+    )
+    _git(m, "checkout", "--quiet", "-b", "feature", c[4])
+    c["side"] = _commit(m, "2026-05-05T12:00:00+00:00", "wip", {"README.md": "wip\n"})
+    _git(m, "checkout", "--quiet", "main")
+
+    work = tmp_path / "work"
+    _git(tmp_path, "clone", "--quiet", str(m), str(work))
+    after_b = td_b.replace("return 1\n", "return 10\n").replace(
+        "        return output\n", RELEASE + "        return output\n")  # fmt: skip
+    main_series = _series(work, c["B"], [
+        ("[MoE] Let the paged stash import without Triton", {PS: STASH_CPU}),
+        ("[MoE] Release dispatcher state after combine", {TD: after_b}),
+        ("[MoE] Keep one buffer per process group", {FA: FUSED_PER_GROUP})])  # fmt: skip
+    assert [n for n, _ in main_series] == [P_STASH, P_RELEASE, P_BUFFER]
+    dev_td = (DISPATCHER.replace("return 3\n", "return 33\n").replace("return 5\n", "return 55\n")
+              .replace("        return output\n", RELEASE + "        return output\n"))  # fmt: skip
+    dev_series = _series(work, c["D"], [("[MoE] Release dispatcher state after combine",
+                                         {TD: dev_td})])  # fmt: skip
+    pins = (repo / "patches" / "pins.toml").read_text().split("\n[bases.\"main-")[0]
+    for line, key, series in (("main", "B", main_series), ("dev", "D", dev_series)):
+        tree = _git(m, "rev-parse", f"{c[key]}^{{tree}}")
+        pins += (
+            f'\n[bases."{line}-{c[key][:7]}"]\ncommit = "{c[key]}"\ntree = "{tree}"\n'
+            f'version = "0.20.0"\nbranch = "{line}"\nseries = "patches/upstream/{line}"\n'
+        )
+        sdir = repo / "patches" / "upstream" / line
+        for old in sdir.glob("*.patch"):
+            old.unlink()
+        (sdir / "series").write_text(f"# synthetic {line}\n" + "".join(f"{n}\n" for n, _ in series))
+        for name, data in series:
+            (sdir / name).write_bytes(data)
+    (repo / "patches" / "pins.toml").write_text(pins)
+    monkeypatch.setattr(apply_mod, "REPO_ROOT", repo)
+    return m, c, repo
+
+
+def _apply(m: Path, ref: str, repo: Path, **kw):
+    return run_apply(m, ref, root=repo, **kw)
+
+
+def _verdicts(result) -> dict:
+    return {o.patch: o.verdict for o in result.outcomes}
+
+
+def test_a_clean_apply_commits_each_patch_on_a_new_branch(mlm):
+    """At a main commit older than main's base whose code around the hunks is the base's, every
+    patch merges; each is its own commit with its message and trailers on a new branch; HEAD,
+    the index and the work tree are untouched."""
+    m, c, repo = mlm
+    before = _snapshot(m)
+    co, result, done = _apply(m, c[4], repo)
+    assert result.ok and _verdicts(result) == {P_STASH: APPLIED, P_RELEASE: APPLIED,
+                                               P_BUFFER: APPLIED}  # fmt: skip
+    assert result.choice.base.name == f"main-{c['B'][:7]}"
+    assert result.choice.why.startswith("main: REF is on main's first-parent history")
+    assert "1 commits (31 days) after it" in result.choice.why
+    branch = f"moe-release/{c[4][:12]}"
+    assert done[0].startswith(f"branch {branch} at ")
+    log = _git(m, "log", "--format=%s%n%b%x00", f"{c[4]}..{branch}").split("\0")
+    subjects = [entry.strip().splitlines()[0] for entry in log if entry.strip()]
+    assert subjects == ["[MoE] Keep one buffer per process group",
+                        "[MoE] Release dispatcher state after combine",
+                        "[MoE] Let the paged stash import without Triton"]  # fmt: skip
+    assert all("Forwarded: no" in e and "Signed-off-by: Test" in e for e in log if e.strip())
+    assert _git(m, "show", f"{branch}:{TD}") == (
+        DISPATCHER.replace("tokens * 1", "tokens.clone()").replace("return 12", "return 120")
+        .replace("        return output\n", RELEASE + "        return output\n").rstrip("\n")
+    )  # fmt: skip
+    after = _snapshot(m)
+    assert after[1:] == before[1:]
+    assert set(after[0].splitlines()) - set(before[0].splitlines()) == {
+        f"refs/heads/{branch} {_git(m, 'rev-parse', branch)}"
+    }
+
+
+def test_a_stored_resolution_is_replayed(mlm):
+    """At c1 the release patch conflicts (main changed the line above its hunk since); a
+    person's resolution stored under the series' apply/<commit12>/ is replayed, and the patch
+    whose file c1 lacks is not applicable, with the commit that added the file as evidence."""
+    m, c, repo = mlm
+    before_td = _git(m, "show", f"{c['B']}:{TD}").encode() + b"\n"
+    theirs = before_td.replace(
+        b"        return output\n", RELEASE.encode() + b"        return output\n"
+    )
+    ours = DISPATCHER.encode()
+    merged, n = merge_file(ours, before_td, theirs)
+    assert n == 1
+    resolved = DISPATCHER.replace("        return output\n", RELEASE + "        return output\n")
+    co = open_checkout(m)
+    from patchtool.apply import choose_series
+
+    path = resolution_path(choose_series(co, c[1], repo), c[1], P_RELEASE)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(Resolution(file_diff(TD, merged, resolved.encode()), []).to_bytes(
+        P_RELEASE, c[1][:12]))  # fmt: skip
+    co, result, done = _apply(m, c[1], repo)
+    assert result.ok, _verdicts(result)
+    assert _verdicts(result) == {P_STASH: NOT_APPLICABLE, P_RELEASE: REPLAYED, P_BUFFER: APPLIED}
+    stash = next(o for o in result.outcomes if o.patch == P_STASH)
+    assert f"{PS}: not at REF; added later by {c[3][:12]} 2026-04-10 paged stash (#3)" in stash.note
+    branch = f"moe-release/{c[1][:12]}"
+    assert _git(m, "show", f"{branch}:{TD}") + "\n" == resolved
+    assert _git(m, "rev-list", "--count", f"{c[1]}..{branch}") == "2"
+
+
+def test_a_conflict_is_reported_and_nothing_changes(mlm, capsys, monkeypatch):
+    """Without a stored resolution the same merge is a conflict: file, line, the patch's hunk,
+    both sides and where the resolution would go; exit 1, refs, HEAD, index and work tree as
+    before, and the patches after it are still merged and reported."""
+    m, c, repo = mlm
+    before = _snapshot(m)
+    assert cli.main(["apply", str(m), "--ref", c[1]]) == 1
+    out = capsys.readouterr().out
+    assert f"  {CONFLICT:30} {P_RELEASE}" in out
+    assert re.search(rf"      {TD}:\d+ \(@@ -\d+,\d+ \+\d+,\d+ @@", out)
+    assert "        REF:\n          |         output = tokens * 1\n" in out
+    assert "        series:\n          |         output = tokens.clone()\n" in out
+    assert (f"needs a stored resolution: patches/upstream/main/apply/{c[1][:12]}/"
+            "MoE-Release-dispatcher-state-after-combine.diff") in out  # fmt: skip
+    assert f"  {APPLIED:30} {P_BUFFER}" in out
+    assert "CONFLICT: nothing written" in out
+    assert _snapshot(m) == before
+
+
+def test_a_patch_already_upstream_is_landed(mlm):
+    """At c5, a main commit after main's base in which upstream took the per-group buffer
+    change, that patch is landed (not committed again) and the others apply."""
+    m, c, repo = mlm
+    co, result, _ = _apply(m, c[5], repo)
+    assert _verdicts(result) == {P_STASH: APPLIED, P_RELEASE: APPLIED, P_BUFFER: LANDED}
+    assert "1 commits (30 days) before it" in result.choice.why
+    assert _git(m, "rev-list", "--count", f"{c[5]}..moe-release/{c[5][:12]}") == "2"
+
+
+def test_a_dev_commit_takes_the_dev_series(mlm):
+    """A commit on dev's first-parent history takes dev's series; main's c1, on dev's history
+    only from before dev left main, stays main's."""
+    m, c, repo = mlm
+    co, result, _ = _apply(m, c["d1"], repo, dry_run=True)
+    assert result.choice.base.name == f"dev-{c['D'][:7]}" and result.ok
+    assert _verdicts(result) == {P_RELEASE: APPLIED}
+    from patchtool.apply import choose_series
+
+    assert choose_series(open_checkout(m), c[1], repo).base.branch == "main"
+
+
+def test_out_files_git_am_3_in_a_full_clone(mlm, tmp_path):
+    """--out writes format-patch --full-index files whose index lines name REF's blobs (so
+    git am -3 can fall back), and git am -3 in a full clone at REF gives the branch's tree."""
+    m, c, repo = mlm
+    out = tmp_path / "out"
+    before = _snapshot(m)
+    co, result, done = _apply(m, c[2], repo, out_dir=out)
+    assert result.ok and _snapshot(m) == before
+    files = sorted(out.iterdir())
+    assert [f.name[:5] for f in files] == ["0001-", "0002-"]
+    pre = [re.findall(r"diff --git a/(\S+) .*\nindex ([0-9a-f]{40})\.\.", f.read_text())
+           for f in files]  # fmt: skip
+    assert [[p for p, _ in each] for each in pre] == [[TD], [FA]]
+    for path, blob in (pair for each in pre for pair in each):
+        assert blob == _git(m, "rev-parse", f"{c[2]}:{path}")
+    clone = tmp_path / "clone"
+    _git(tmp_path, "clone", "--quiet", str(m), str(clone))
+    _git(clone, "checkout", "--quiet", "--detach", c[2])
+    _git(clone, "am", "-3", "--quiet", *map(str, files))
+    _, again, _ = _apply(m, c[2], repo)
+    assert _git(clone, "rev-parse", "HEAD^{tree}") == _git(
+        m, "rev-parse", f"moe-release/{c[2][:12]}^{{tree}}")  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["not-git", "dirty", "unknown-ref", "no-line", "too-old",
+                                  "has-series", "branch-exists"])  # fmt: skip
+def test_bad_input_is_one_line_exit_2_nothing_changed(mlm, tmp_path, capsys, case):
+    m, c, repo = mlm
+    args, want = ["apply", str(m)], ""
+    if case == "not-git":
+        (tmp_path / "plain").mkdir()
+        args, want = ["apply", str(tmp_path / "plain")], "not a git checkout"
+    elif case == "dirty":
+        (m / TD).write_text("changed\n")
+        want = "work tree not clean (1 changed file(s), first: " + TD
+    elif case == "unknown-ref":
+        args, want = args + ["--ref", "no-such-ref"], "unknown ref 'no-such-ref'"
+    elif case == "no-line":
+        args, want = args + ["--ref", c["side"]], "is on no known line"
+    elif case == "too-old":
+        args, want = args + ["--ref", c[0]], "is older than every series"
+    elif case == "has-series":
+        _apply(m, c[4], repo)
+        _git(m, "checkout", "--quiet", f"moe-release/{c[4][:12]}")
+        want = "HEAD already has the series: its history has "
+    elif case == "branch-exists":
+        _git(m, "branch", "mine", c[4])
+        args, want = args + ["--ref", c[4], "--branch", "mine"], "branch mine exists"
+    before = _snapshot(m) if case != "not-git" else None
+    capsys.readouterr()
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("moe_release.py apply: error: "), err
+    assert want in err, err
+    if before is not None:
+        assert _snapshot(m) == before
+
+
+def test_apply_help():
+    done = subprocess.run(
+        [str(Path(cli.__file__).parents[2] / ".venv" / "bin" / "python"),
+         str(Path(cli.__file__).parents[1] / "moe_release.py"), "apply", "--help"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0 and "--dry-run" in done.stdout and "--out DIR" in done.stdout
+
+
+@pytest.mark.skipif(not MIRROR.is_dir(), reason="no Megatron-LM mirror here")
+def test_on_the_mirror_each_pinned_commit_takes_its_own_series():
+    """On the real mirror, each pinned commit is its own series' base: every patch applies."""
+    co = open_checkout(MIRROR)
+    for ref, series in (("d98e8a6", "patches/upstream/main"), ("d48bd6b", "patches/upstream/dev")):
+        try:
+            _, result, _ = run_apply(MIRROR, ref, dry_run=True)
+        except UserError as exc:
+            pytest.fail(str(exc))
+        assert result.choice.base.series == series and result.ok
+        assert {o.verdict for o in result.outcomes} == {APPLIED}, co.describe(ref)
