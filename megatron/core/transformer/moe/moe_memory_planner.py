@@ -47,6 +47,7 @@ import difflib
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -819,6 +820,8 @@ class MoEMemoryConfig:
     tensor_model_parallel_size: int = 1
     context_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    pipeline_model_parallel_layout: Union[None, str, Tuple[Tuple[str, ...], ...]] = None
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None
     moe_layer_freq: Union[int, Tuple[int, ...]] = 1
@@ -842,6 +845,9 @@ class MoEMemoryConfig:
         object.__setattr__(
             self, "moe_layer_freq", parse_moe_layer_freq(self.moe_layer_freq, self.num_layers)
         )
+        if self.pipeline_model_parallel_layout is not None:
+            layout = parse_pipeline_layout(self.pipeline_model_parallel_layout)
+            object.__setattr__(self, "pipeline_model_parallel_layout", layout)
         for name in (
             "hidden_size",
             "num_moe_experts",
@@ -858,6 +864,7 @@ class MoEMemoryConfig:
             _positive(name, getattr(self, name))
         for name in (
             "seq_length",
+            "virtual_pipeline_model_parallel_size",
             "expert_tensor_parallel_size",
             "tokens_per_rank",
             "moe_flex_dispatcher_num_sms",
@@ -919,8 +926,7 @@ class MoEMemoryConfig:
                 f"moe_router_topk: {self.moe_router_topk} exceeds the {self.num_moe_experts} "
                 "experts"
             )
-        if self.num_layers % self.pipeline_model_parallel_size:
-            raise ValueError("pipeline_model_parallel_size: must divide num_layers")
+        self._check_pipeline()
         if self.group_size > self.ranks_per_node and self.group_size % self.ranks_per_node:
             raise ValueError(
                 f"ranks_per_node: {self.ranks_per_node} does not divide the dispatcher group "
@@ -963,16 +969,75 @@ class MoEMemoryConfig:
         tp = self.tensor_model_parallel_size if self.sequence_parallel else 1
         return tp * self.context_parallel_size
 
+    def _check_pipeline(self) -> None:
+        pp, vpp, layout = (
+            self.pipeline_model_parallel_size,
+            self.virtual_pipeline_model_parallel_size,
+            self.pipeline_model_parallel_layout,
+        )
+        if layout is None:
+            stages = pp * (vpp or 1)
+            if stages > MAX_PATTERN_LAYERS:
+                raise ValueError(
+                    f"pipeline_model_parallel_size: {stages:,} pipeline stages (PP x VPP) are more "
+                    "than any model has layers"
+                )
+            if self.num_layers % stages:
+                raise ValueError(
+                    "pipeline_model_parallel_size: must divide num_layers"
+                    + (f" (x {vpp} virtual stages)" if vpp else "")
+                )
+            return
+        where = "megatron/core/transformer/pipeline_parallel_layer_layout.py"
+        if len(layout) % pp:
+            raise ValueError(
+                f"pipeline_model_parallel_layout: {len(layout)} stages do not divide over "
+                f"PP {pp} ({where}:40-44)"
+            )
+        if vpp is not None and vpp != len(layout) // pp:
+            raise ValueError(
+                f"virtual_pipeline_model_parallel_size: {vpp}, but the layout has "
+                f"{len(layout) // pp} stages per pipeline rank (arguments.py derives it from the "
+                "layout)"
+            )
+        decoders = sum(stage.count("decoder") for stage in layout)
+        if decoders != self.num_layers:
+            raise ValueError(
+                f"pipeline_model_parallel_layout: {decoders} decoder layers for num_layers "
+                f"{self.num_layers} ({where}:106-109)"
+            )
+
+    def rank_moe_layers(self) -> List[int]:
+        """MoE layers each pipeline rank builds (all its virtual stages): decoder layers split
+        over the PP x VPP stages in order (stage v x PP + r on rank r), evenly or as
+        ``pipeline_model_parallel_layout`` places them; layer i is MoE when
+        ``moe_layer_freq`` says so (``i % N == 0``, or the pattern's entry, as
+        ``gpt_layer_specs.py`` reads it)."""
+        pp, freq = self.pipeline_model_parallel_size, self.moe_layer_freq
+        counts = [0] * pp
+
+        def moe_in(first: int, end: int) -> int:  # MoE layers among [first, end)
+            if isinstance(freq, int):
+                return _cdiv(end, freq) - _cdiv(first, freq)
+            return sum(freq[first:end])
+
+        if self.pipeline_model_parallel_layout is None:
+            stages = pp * (self.virtual_pipeline_model_parallel_size or 1)
+            per = self.num_layers // stages
+            for s in range(stages):
+                counts[s % pp] += moe_in(s * per, (s + 1) * per)
+            return counts
+        first = 0
+        for s, stage in enumerate(self.pipeline_model_parallel_layout):
+            n = stage.count("decoder")
+            counts[s % pp] += moe_in(first, first + n)
+            first += n
+        return counts
+
     @property
     def moe_layers_per_rank(self) -> int:
-        """MoE layers of the pipeline stage that holds the most (layers split evenly over the
-        stages; layer i is MoE when ``moe_layer_freq`` says so: ``i % N == 0``, or the list's
-        entry, as ``gpt_layer_specs.py`` reads it)."""
-        layers = self.num_layers // self.pipeline_model_parallel_size
-        freq = self.moe_layer_freq
-        if isinstance(freq, int):  # the first stage holds layer 0 and the most multiples of N
-            return _cdiv(layers, freq)
-        return max(sum(freq[i : i + layers]) for i in range(0, self.num_layers, layers))
+        """MoE layers of the pipeline rank that builds the most (:meth:`rank_moe_layers`)."""
+        return max(self.rank_moe_layers())
 
     @property
     def recompute(self) -> str:
@@ -1035,6 +1100,56 @@ def _eval_pattern(text: str) -> list:
     if not isinstance(value, list):
         raise ValueError("not a list")
     return value
+
+
+LAYER_CHARS = {"E": "embedding", "L": "loss", "t": "decoder", "m": "mtp"}
+LAYER_TYPES = ("embedding", "loss", "encoder", "decoder", "mtp")  # megatron's LayerType
+
+
+def _unroll(match) -> str:
+    body, times = match.group(1), int(match.group(2))
+    if len(body) * times > MAX_PATTERN_LAYERS:
+        raise ValueError("longer than any model")
+    return body * times
+
+
+def parse_pipeline_layout(value) -> Tuple[Tuple[str, ...], ...]:
+    """Megatron's ``pipeline_model_parallel_layout``: a list of stages, each a list of layer
+    types (``embedding``, ``decoder``, ``mtp``, ``loss``), or the string form (``"Et|(tt|)*29,
+    m|L"``: E, t, m, L; ``|`` between stages, ``(...)*n`` and ``x*n`` repeat, commas cosmetic),
+    unrolled as ``pipeline_parallel_layer_layout.py`` ``parse_str_to_list`` does, bounded. The
+    stages as tuples of type names; ValueError names the field."""
+    name = "pipeline_model_parallel_layout"
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    if isinstance(value, str):
+        text = value.replace(",", "")
+        if len(text) > 65536:
+            raise ValueError(f"{name}: longer than any model")
+        try:
+            for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+                text = re.sub(pattern, _unroll, text)
+                if len(text) > MAX_PATTERN_LAYERS:
+                    raise ValueError("longer than any model")
+        except ValueError as exc:
+            raise ValueError(f"{name}: cannot read {shown}: {exc}") from None
+        bad = next((ch for ch in text if ch not in LAYER_CHARS and ch != "|"), None)
+        if bad is not None:
+            raise ValueError(
+                f"{name}: {bad!r} is no layer (E, t, m, L; '|' between stages) in {shown}"
+            )
+        return tuple(tuple(LAYER_CHARS[ch] for ch in stage) for stage in text.split("|"))
+    if not isinstance(value, (list, tuple)) or not all(isinstance(r, (list, tuple)) for r in value):
+        raise ValueError(f"{name}: must be a list of stages (lists of layer types) or a string")
+    stages = []
+    for row in value:
+        kinds = [v.strip().lower() if isinstance(v, str) else v for v in row]
+        bad = next((k for k in kinds if k not in LAYER_TYPES), None)
+        if bad is not None or any(not isinstance(k, str) for k in kinds):
+            raise ValueError(f"{name}: {bad!r} is not one of {', '.join(LAYER_TYPES)}")
+        stages.append(tuple(kinds))
+    if sum(len(s) for s in stages) > MAX_PATTERN_LAYERS:
+        raise ValueError(f"{name}: longer than any model")
+    return tuple(stages)
 
 
 def parse_moe_layer_freq(value, num_layers) -> Union[int, Tuple[int, ...]]:
@@ -1270,6 +1385,7 @@ def plan(cfg: MoEMemoryConfig, held_rows: Optional[int] = None) -> Dict[str, obj
             "expert_columns": shape.experts,
             "routed_rows": shape.routed_rows,
             "moe_layers_per_rank": layers,
+            "moe_layers_per_pipeline_rank": cfg.rank_moe_layers(),
             "recompute": shape.recompute,
             "deep_ep_source": cfg.deep_ep,
             "deep_ep_commit": DEEP_EP_SOURCES[cfg.deep_ep],
@@ -1326,6 +1442,16 @@ ARGS = {
     "context_parallel_size": Arg("--context-parallel-size", "CP, ranks (default 1)"),
     "pipeline_model_parallel_size": Arg(
         "--pipeline-model-parallel-size", "PP, ranks (default 1); must divide --num-layers"
+    ),
+    "virtual_pipeline_model_parallel_size": Arg(
+        "--num-virtual-stages-per-pipeline-rank",
+        "VPP, virtual stages per pipeline rank (default: none; with a layout, from it)",
+    ),
+    "pipeline_model_parallel_layout": Arg(
+        "--pipeline-model-parallel-layout",
+        "megatron's layout string, e.g. 'Et*3|(tttt|)*14,tmL' (E embedding, t decoder, m MTP, "
+        "L loss; '|' between stages; default: layers split evenly over PP x VPP)",
+        "LAYOUT",
     ),
     "expert_model_parallel_size": Arg("--expert-model-parallel-size", "EP, ranks (default 1)"),
     "expert_tensor_parallel_size": Arg(
@@ -1400,15 +1526,18 @@ INT_FIELDS = {
     "micro_batch_size", "tensor_model_parallel_size", "context_parallel_size",
     "pipeline_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
     "moe_flex_dispatcher_num_sms", "moe_hybridep_num_sms_preprocessing",
-    "tokens_per_rank", "ranks_per_node",
+    "tokens_per_rank", "ranks_per_node", "virtual_pipeline_model_parallel_size",
 }  # fmt: skip
 FLOAT_FIELDS = ("routed_rows_factor", "moe_expert_rank_capacity_factor")
 BOOL_KEYS = (
     "bf16", "fp16", "moe_ncclep_zero_copy", "moe_enable_deepep", "moe_layer_recompute",
     "sequence_parallel",
 )  # fmt: skip
-# Megatron-Bridge's YAML names this one differently from TransformerConfig.
-YAML_ALIASES = {"num_experts": "num_moe_experts"}
+# Megatron's argument names for TransformerConfig fields (arguments.py).
+YAML_ALIASES = {
+    "num_experts": "num_moe_experts",
+    "num_virtual_stages_per_pipeline_rank": "virtual_pipeline_model_parallel_size",
+}
 TRANSFORMER_CONFIG = "megatron/core/transformer/transformer_config.py"
 # Deprecated TransformerConfig fields megatron-core 0.19 still accepts and routes to
 # moe_flex_dispatcher_num_sms unless that is set (transformer_config.py:1616-1635).
@@ -1419,19 +1548,18 @@ DEPRECATED_SMS = ("moe_deepep_num_sms", "moe_hybridep_num_sms")
 MEGATRON_NEIGHBOURS = frozenset({
     "eval_micro_batch_size", "ffn_hidden_size", "inference_moe_token_dispatcher_type",
     "main_params_dtype", "model_parallel_size", "moe_expert_capacity_factor",
-    "moe_router_group_topk", "mtp_num_layers", "pipeline_model_parallel_layout",
-    "rl_inference_expert_model_parallel_size", "rl_inference_pipeline_model_parallel_size",
-    "rl_inference_tensor_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "moe_router_group_topk", "mtp_num_layers", "rl_inference_expert_model_parallel_size",
+    "rl_inference_pipeline_model_parallel_size", "rl_inference_tensor_model_parallel_size",
 })  # fmt: skip
 # Megatron fields the terms depend on that the planner does not model: set, they are noted.
 NOT_MODELLED = {
     "moe_expert_capacity_factor": "capacity-factor routing (the plan is dropless)",
     "moe_pad_expert_input_to_capacity": "capacity-factor routing (the plan is dropless)",
-    "virtual_pipeline_model_parallel_size": "virtual stages (MoE layers split over PP evenly)",
-    "pipeline_model_parallel_layout": "a custom pipeline layout (layers split over PP evenly)",
     "num_layers_in_first_pipeline_stage": "uneven stages (layers split over PP evenly)",
     "num_layers_in_last_pipeline_stage": "uneven stages (layers split over PP evenly)",
-    "mtp_num_layers": "multi-token-prediction layers",
+    "account_for_embedding_in_pipeline_split": "the embedding as a stage's layer",
+    "account_for_loss_in_pipeline_split": "the loss as a stage's layer",
+    "mtp_num_layers": "multi-token-prediction layers (their MoE layers are not counted)",
 }
 TYPO_CUTOFF = 0.8  # difflib ratio: expert_model_paralel_size is 0.98 from its field
 

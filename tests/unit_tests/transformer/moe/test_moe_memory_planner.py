@@ -910,6 +910,8 @@ ODD_FLAG_CASES = (
                                          "[1]*1000000000", "__import__('os').getcwd()",
                                          "[1,0", "(" * 5000, "+".join(["[1]"] * 20000),
                                          "[1.0, 1.0]", "[True, True]"]]
+    + [("--pipeline-model-parallel-layout", v) for v in ["", "x", "Et|L", "E(t|)*3L",
+                                                        "(t)*1" + "0" * 5000, "t*-1"]]
 )  # fmt: skip
 
 
@@ -926,7 +928,7 @@ ODD_YAML = [".nan", ".inf", "-.inf", "-1", "0", "100000000000000000000", "abc", 
 YAML_FIELDS = sorted(planner.INT_FIELDS | set(planner.FLOAT_FIELDS)) + [
     "moe_token_dispatcher_type", "moe_layer_freq", "recompute_modules", "bf16", "fp16",
     "moe_ncclep_zero_copy", "moe_hybridep_num_sms", "moe_deepep_num_sms", "moe_enable_deepep",
-    "deep_ep", "sequence_parallel", "moe_layer_recompute",
+    "deep_ep", "sequence_parallel", "moe_layer_recompute", "pipeline_model_parallel_layout",
 ]  # fmt: skip
 
 
@@ -1171,3 +1173,65 @@ def test_sequence_parallel_and_moe_layer_recompute_are_read(tmp_path, capsys):
     line = _one_line_exit_2(capsys, ["--config-file", _yaml(tmp_path, head + (
         "  moe_layer_recompute: true\n  recompute_granularity: full\n"))])  # fmt: skip
     assert "transformer_config.py:1840-1843" in line
+
+
+V3_LAYOUT = "Et*4|(tttt|)*14,tmL"  # DeepSeek-V3 on PP4 x VPP4: 16 stages, 61 decoder layers
+
+
+def test_pipeline_layout_and_virtual_stages_place_the_moe_layers(tmp_path, capsys):
+    """DeepSeek-V3 (61 layers, the first 3 dense) on PP 4 with megatron's layout
+    'Et*4|(tttt|)*14,tmL': stage s is on rank s % 4; stage 0 holds layers 0-3 (one MoE), stages
+    1-14 four MoE layers each, stage 15 layer 60. Rank 0: 1 + 3 x 4 = 13, ranks 1 and 2: 16,
+    rank 3: 3 x 4 + 1 = 13. It was refused (61 layers do not divide over PP 4). The same
+    layout as a YAML list of lists plans alike. Without a layout, VPP 2 on PP 2 splits 8 layers
+    into stages of 2, and with every 3rd layer MoE (0, 3, 6) rank 1 holds two, rank 0 one."""
+    args = ["--hidden-size", 64, "--num-experts", 8, "--moe-router-topk", 2, "--seq-length", 64,
+            "--num-layers", 61, "--moe-layer-freq", "([0]*3+[1]*58)",
+            "--pipeline-model-parallel-size", 4]  # fmt: skip
+    data, _ = _plan_json(capsys, args + ["--pipeline-model-parallel-layout", V3_LAYOUT])
+    assert data["derived"]["moe_layers_per_pipeline_rank"] == [13, 16, 16, 13]
+    assert data["derived"]["moe_layers_per_rank"] == 16
+    stages = (
+        [["embedding"] + ["decoder"] * 4] + [["decoder"] * 4] * 14 + [["decoder", "mtp", "loss"]]
+    )
+    path = _yaml(tmp_path, "model:\n  hidden_size: 64\n  num_moe_experts: 8\n"
+                 "  moe_router_topk: 2\n  seq_length: 64\n  num_layers: 61\n"
+                 "  moe_layer_freq: '([0]*3+[1]*58)'\n  pipeline_model_parallel_size: 4\n"
+                 "  virtual_pipeline_model_parallel_size: 4\n"
+                 f"  pipeline_model_parallel_layout: {json.dumps(stages)}\n")  # fmt: skip
+    yaml_data, _ = _plan_json(capsys, ["--config-file", path])
+    assert yaml_data["derived"]["moe_layers_per_pipeline_rank"] == [13, 16, 16, 13]
+    vpp = ["--hidden-size", 64, "--num-experts", 8, "--moe-router-topk", 2, "--seq-length", 64,
+           "--num-layers", 8, "--moe-layer-freq", 3, "--pipeline-model-parallel-size", 2,
+           "--num-virtual-stages-per-pipeline-rank", 2]  # fmt: skip
+    data, _ = _plan_json(capsys, vpp)
+    assert data["derived"]["moe_layers_per_pipeline_rank"] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--num-layers", 62, "--pipeline-model-parallel-layout", V3_LAYOUT],
+         "61 decoder layers for num_layers 62 (megatron/core/transformer/"
+         "pipeline_parallel_layer_layout.py:106-109)"),
+        (["--num-layers", 61, "--pipeline-model-parallel-layout", "Et*4|(tttt|)*13,tmL"],
+         "15 stages do not divide over PP 4 (megatron/core/transformer/"
+         "pipeline_parallel_layer_layout.py:40-44)"),
+        (["--num-layers", 61, "--pipeline-model-parallel-layout", "Et*4|x|L"],
+         "--pipeline-model-parallel-layout: 'x' is no layer"),
+        (["--num-layers", 61, "--pipeline-model-parallel-layout", "(t|)*99999999999"],
+         "longer than any model"),
+        (["--num-layers", 61, "--pipeline-model-parallel-layout", V3_LAYOUT,
+          "--num-virtual-stages-per-pipeline-rank", 2],
+         "--num-virtual-stages-per-pipeline-rank: 2, but the layout has 4 stages per pipeline"),
+        (["--num-layers", 61, "--num-virtual-stages-per-pipeline-rank", 2],
+         "--pipeline-model-parallel-size: must divide num_layers (x 2 virtual stages)"),
+    ],
+)  # fmt: skip
+def test_a_bad_pipeline_layout_is_one_line(extra, message, capsys):
+    """A layout megatron refuses (decoder count, stages over PP: its lines cited), an unknown
+    layer, a repeat beyond any model, a VPP the layout contradicts: one line, exit 2."""
+    base = ["--hidden-size", 64, "--num-experts", 8, "--moe-router-topk", 2, "--seq-length", 64,
+            "--pipeline-model-parallel-size", 4]  # fmt: skip
+    line = _one_line_exit_2(capsys, base + extra)
+    assert message in line, line
