@@ -1501,7 +1501,9 @@ ARGS = {
         "(default: seq x micro-batch / (TP x CP), sequence parallel)",
     ),
     "ranks_per_node": Arg(
-        "--ranks-per-node", "ranks of one NVLink domain (default 8: an HGX node; GB200: 72)"
+        "--ranks-per-node",
+        "ranks of one NVLink domain (default 8: an HGX node; GB200: 72; HybridEP: "
+        "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN when set)",
     ),
     "routed_rows_factor": Arg(
         "--routed-rows-factor",
@@ -1694,6 +1696,37 @@ def apply_deprecated(values: Dict[str, object], notes: List[str]) -> None:
         )
 
 
+RANKS_ENV = "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"
+
+
+def _ranks_per_node_from_env(values: Dict[str, object], notes: List[str]) -> None:
+    """HybridEP takes its NVLink domain from ``NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN`` when
+    set, over what it detects (``deep_ep/hybrid_ep_buffer.py:63-72``, ``int()``), and asserts
+    it divides the group (``:74-76``): so does the plan of a hybridep configuration, with a
+    note where it overrides ``--ranks-per-node``."""
+    raw = os.environ.get(RANKS_ENV)
+    if raw is None or values.get("moe_flex_dispatcher_backend") != "hybridep":
+        return
+    try:
+        ranks = int(raw)
+    except ValueError:
+        raise ValueError(
+            f"{RANKS_ENV}={raw[:40]!r}: deep_ep reads it with int(), which refuses it "
+            "(deep_ep/hybrid_ep_buffer.py:63-65)"
+        ) from None
+    ep = values.get("expert_model_parallel_size") or 1
+    etp = values.get("expert_tensor_parallel_size") or values.get("tensor_model_parallel_size") or 1
+    if not 0 < ranks <= INT_MAX or (ep * etp) % ranks:
+        raise ValueError(
+            f"{RANKS_ENV}={raw[:40]!r}: HybridEP needs it to divide the group of ETP x EP = "
+            f"{ep * etp} ranks (deep_ep/hybrid_ep_buffer.py:74-76)"
+        )
+    given = values.get("ranks_per_node")
+    if given is not None and given != ranks:
+        notes.append(f"{RANKS_ENV}={ranks} overrides --ranks-per-node {given}, as in deep_ep")
+    values["ranks_per_node"] = ranks
+
+
 def _check_types(values: Dict[str, object]) -> None:
     """Each value of the type its field takes: a ValueError naming the field otherwise."""
     for name, value in values.items():
@@ -1801,6 +1834,7 @@ def config_from_args(
                 ":560-565)"
             )
     apply_deprecated(values, notes)
+    _ranks_per_node_from_env(values, notes)
     if args.bf16 or args.fp16:
         values["bf16"] = True
     elif args.config_file is None or "bf16" not in values:

@@ -1235,3 +1235,26 @@ def test_a_bad_pipeline_layout_is_one_line(extra, message, capsys):
             "--pipeline-model-parallel-size", 4]  # fmt: skip
     line = _one_line_exit_2(capsys, base + extra)
     assert message in line, line
+
+
+def test_hybridep_ranks_per_nvlink_domain_from_the_environment(monkeypatch, capsys):
+    """NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN, read by deep_ep over what it detects
+    (hybrid_ep_buffer.py:63-72), is the plan's NVLink domain: EP16 with 16 ranks per domain is
+    one node (no RDMA terms; N = 4,096 x 16); with 4, four nodes (3 peer nodes). A value int()
+    refuses, or one that does not divide the group (hybrid_ep_buffer.py:74-76), is one line."""
+    args = V3 + ["--expert-model-parallel-size", 16, "--tokens-per-rank", 4096] + HYBRIDEP
+    monkeypatch.setenv("NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN", "16")
+    data, err = _plan_json(capsys, args + ["--ranks-per-node", 8])
+    terms = {t["name"]: t["nbytes"] for t in data["buffers"]}
+    assert terms["combine tokens (N x H, 16-bit)"] == 4096 * 16 * 7168 * 2
+    assert not any(name.startswith("rdma") for name in terms)
+    assert "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN=16 overrides --ranks-per-node 8" in err
+    monkeypatch.setenv("NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN", "4")
+    data, _ = _plan_json(capsys, args)
+    terms = {t["name"]: t["nbytes"] for t in data["buffers"]}
+    assert terms["rdma dispatch peer tokens"] == 4096 * 3 * 7168 * 2
+    for bad, cited in (("eight", "hybrid_ep_buffer.py:63-65"), ("3", "hybrid_ep_buffer.py:74-76"),
+                       ("0", "hybrid_ep_buffer.py:74-76")):  # fmt: skip
+        monkeypatch.setenv("NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN", bad)
+        line = _one_line_exit_2(capsys, args)
+        assert f"NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN={bad!r}" in line and cited in line
