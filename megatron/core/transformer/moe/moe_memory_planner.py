@@ -133,6 +133,10 @@ class DeepEPSource:
     rdma_counter_at: str
     destroy_at: str
     rdma_alloc_at: str
+    # (intranode, internode): the checks a dispatch or combine of megatron's makes
+    local_experts_at: Tuple[str, str]  # local experts <= NUM_MAX_LOCAL_EXPERTS (1024)
+    topk_at: Tuple[str, str]  # num_topk <= 32, a device assert in the dispatch kernel
+    hidden_at: Tuple[str, str]  # hidden x element size a multiple of 16 (int4)
 
 
 DEEPEP_SOURCE = {
@@ -142,6 +146,9 @@ DEEPEP_SOURCE = {
         "csrc/config.hpp:75-103", "csrc/deep_ep.cpp:145-147,171-184", "csrc/deep_ep.cpp:186-188",
         "csrc/deep_ep.cpp:191-200", "csrc/deep_ep.cpp:202-206", "deep_ep.cpp:299-304",
         "csrc/deep_ep.cpp:341-356",
+        ("csrc/deep_ep.cpp:474", "csrc/deep_ep.cpp:869"),
+        ("csrc/kernels/intranode.cu:187", "csrc/kernels/internode.cu:408"),
+        ("csrc/deep_ep.cpp:717", "csrc/deep_ep.cpp:1111"),
     ),
     "main": DeepEPSource(
         "main", DEEP_EP_MAIN_COMMIT, DEEPEP_MAIN_DISPATCH_CONFIGS, DEEPEP_MAIN_COMBINE_CONFIGS,
@@ -150,6 +157,9 @@ DEEPEP_SOURCE = {
         "csrc/legacy/buffer.hpp:101-103,132-137", "csrc/legacy/buffer.hpp:149-150",
         "csrc/legacy/buffer.hpp:153-161", "csrc/legacy/buffer.hpp:164-168",
         "buffer.hpp:326-331", "csrc/legacy/buffer.hpp:268",
+        ("csrc/legacy/buffer.hpp:469", "csrc/legacy/buffer.hpp:949"),
+        ("csrc/kernels/legacy/intranode.cu:251", "csrc/kernels/legacy/internode.cu:519"),
+        ("csrc/legacy/buffer.hpp:458", "csrc/legacy/buffer.hpp:930"),
     ),
 }  # fmt: skip
 
@@ -1264,15 +1274,38 @@ def buffer_terms(cfg: MoEMemoryConfig) -> List[Term]:
 def kernel_refusal(cfg: MoEMemoryConfig) -> Optional[str]:
     """Why the kernels of ``cfg``'s flex backend refuse it, as ``field: reason (source line)``;
     None if they accept it. DeepEP: an odd SM count (megatron passes it to
-    ``Buffer.set_num_sms``, token_dispatcher.py:1434); HybridEP: :func:`hybridep_refusal`. (The
-    sizing functions do not refuse: the CPU emulation runs shapes the kernels would not.)"""
+    ``Buffer.set_num_sms``, token_dispatcher.py:1434), more than 1024 local experts, top-k over
+    32, hidden bytes not a multiple of 16 (the intranode or internode check, by group size);
+    HybridEP: :func:`hybridep_refusal`. (The sizing functions do not refuse: the CPU emulation
+    runs shapes the kernels would not.)"""
     if cfg.moe_token_dispatcher_type != "flex":
         return None
     if cfg.moe_flex_dispatcher_backend == "deepep":
+        src = DEEPEP_SOURCE[cfg.deep_ep]
         sms = cfg.moe_flex_dispatcher_num_sms or DEFAULT_DEEPEP_SMS
         if sms % 2:
-            src = DEEPEP_SOURCE[cfg.deep_ep].even_sms_at
-            return f"moe_flex_dispatcher_num_sms: DeepEP refuses an odd SM count, got {sms} ({src})"
+            return (
+                f"moe_flex_dispatcher_num_sms: DeepEP refuses an odd SM count, got {sms} "
+                f"({src.even_sms_at})"
+            )
+        inter = int(cfg.group_size > NUM_MAX_NVL_PEERS)  # internode kernels past 8 ranks
+        local = cfg.num_moe_experts // cfg.expert_model_parallel_size
+        if local > 1024:
+            return (
+                f"num_moe_experts: DeepEP refuses {local} local experts per rank, more than "
+                f"NUM_MAX_LOCAL_EXPERTS 1024 ({src.local_experts_at[inter]})"
+            )
+        if cfg.moe_router_topk > 32:
+            return (
+                f"moe_router_topk: DeepEP's dispatch kernel asserts top-k <= 32, got "
+                f"{cfg.moe_router_topk} ({src.topk_at[inter]})"
+            )
+        elem = BF16 if cfg.bf16 else FP32
+        if cfg.hidden_size * elem % 16:
+            return (
+                f"hidden_size: DeepEP refuses {cfg.hidden_size} x {elem}-byte elements, not a "
+                f"multiple of 16 bytes ({src.hidden_at[inter]})"
+            )
     if cfg.moe_flex_dispatcher_backend == "hybridep":
         return hybridep_refusal(hybridep_layout(cfg))
     return None
