@@ -724,32 +724,84 @@ def test_a_normal_exit_prints_no_deep_ep_warning(patched_tree):
         assert DEEP_EP_WARNING not in out, f"rank {rank}:\n{out[-3000:]}"
 
 
-def rank_exit_hook():
+def rank_exit_hook(backend: str):
     """The exit hook after an uncaught exception (sys.last_exc set, as the interpreter sets it
-    when it prints one) and after a normal run."""
+    when it prints one) and after a normal run. For DeepEP v2 the layer (its manager's
+    ``self.buffer``) still references the buffer, and its finalizer must not be one that
+    Python's exit runs on its own (``weakref.finalize.atexit``): that would run the collective
+    destroy() after an exception too."""
     import sys
 
-    from cpu_runtime.moe_harness import build_moe_layer, init_megatron, moe_config
+    from cpu_runtime.moe_harness import init_megatron
     from megatron.core.transformer.moe import fused_a2a
 
     init_megatron(ep=dist.get_world_size())
-    layer = build_moe_layer(moe_config("deepep", dist.get_world_size()))
-    y, _ = layer(torch.randn(TOKENS, 1, layer.config.hidden_size).requires_grad_())
-    y.sum().backward()
-    buffer = fused_a2a._buffer
+    layer, _, _ = _layer_step(backend, dist.get_world_size())
+    buffer = _buffer(backend)
+    if backend == "deepepv2":
+        runtime = buffer.runtime
+        finalizers = list(fused_a2a._elastic_buffer_finalizers.values())
+        run_at_exit = [f.atexit for f in finalizers]
+        destroyed = lambda: runtime.destroyed  # noqa: E731
+    else:
+        run_at_exit = []
+        destroyed = lambda: buffer.runtime is None  # noqa: E731
     sys.last_exc = RuntimeError("the job failed")
     try:
         fused_a2a._destroy_deep_ep_buffer_at_exit()
-        kept = fused_a2a._buffer is buffer and buffer.runtime is not None
+        kept = _buffer(backend) is buffer and not destroyed()
     finally:
         del sys.last_exc
     fused_a2a._destroy_deep_ep_buffer_at_exit()
-    return {"kept_after_exception": kept, "destroyed": buffer.runtime is None}
+    out = {"kept_after_exception": kept, "destroyed": destroyed(), "run_at_exit": run_at_exit}
+    del layer
+    return out
 
 
-def test_the_exit_hook_destroys_nothing_after_an_uncaught_exception(dist_job, patched_tree):
+@pytest.mark.parametrize(
+    "backend", ["deepep", pytest.param("deepepv2", marks=pytest.mark.flex_backend("deepepv2"))]
+)
+def test_the_exit_hook_destroys_nothing_after_an_uncaught_exception(
+    dist_job, patched_tree, backend
+):
     """After an uncaught exception a peer may never reach destroy()'s barrier, so the hook
     leaves the buffer (deep_ep then warns, as without the hook); after a normal run it
-    destroys it."""
-    for rank, out in enumerate(dist_job(f"{THIS}:rank_exit_hook", 2, patched_tree)):
-        assert out == {"kept_after_exception": True, "destroyed": True}, (rank, out)
+    destroys it, DeepEP v2's too while a manager still references it. No DeepEP v2 finalizer is
+    run by Python's exit on its own (the dev series at 2b85988 left weakref.finalize's
+    atexit=True, which ran the collective destroy() after an exception as well)."""
+    for rank, out in enumerate(
+        dist_job(f"{THIS}:rank_exit_hook", 2, patched_tree, backend=backend)
+    ):
+        assert out["kept_after_exception"] and out["destroyed"], (rank, out)
+        assert not any(out["run_at_exit"]), (rank, out)
+
+
+def rank_teardown_without_fused_a2a():
+    """Rank side: destroy_model_parallel() where fused_a2a cannot be imported (sys.modules maps
+    it to None): what does it log?"""
+    import sys
+
+    from cpu_runtime.moe_harness import init_megatron
+    from megatron.core import parallel_state
+
+    init_megatron(ep=dist.get_world_size())
+    warnings = _Warnings()
+    name = "megatron.core.transformer.moe.fused_a2a"
+    saved = sys.modules.get(name)
+    sys.modules[name] = None
+    try:
+        parallel_state.destroy_model_parallel()
+    finally:
+        sys.modules[name] = saved
+    return {"warnings": list(warnings)}
+
+
+def test_teardown_says_when_fused_a2a_cannot_be_imported(dist_job, patched_tree):
+    """A failed import of fused_a2a is logged as that, not as a release that gave up on its
+    peers (the series at 2b85988 logged "released the MoE communication buffers without
+    waiting for every peer: ImportError ...")."""
+    for rank, out in enumerate(
+        dist_job(f"{THIS}:rank_teardown_without_fused_a2a", 2, patched_tree)
+    ):
+        assert any("cannot import fused_a2a" in w for w in out["warnings"]), (rank, out)
+        assert not any("peer" in w for w in out["warnings"]), (rank, out)

@@ -343,3 +343,97 @@ def test_release_refuses_while_a_captured_graph_may_replay(dist_job, patched_tre
     for res in dist_job(f"{THIS}:rank_capture_guard", 2, patched_tree):
         assert res["refused"] and "NCCL EP context" in res["refused"], res
         assert res["kept"] and res["gone"], res
+
+
+def rank_teardown_with_a_stuck_peer(bound: float):
+    """Rank side: after a step, rank 1 is stuck in a collective on the world that rank 0 joins
+    only after its teardown; rank 0 tears down with its wait bounded by ``bound`` seconds. Then
+    rank 1 arrives late at the EP group's barrier (completing rank 0's abandoned one)."""
+    import logging
+    import time
+
+    from cpu_runtime import te_ep_emulation as te
+    from cpu_runtime.moe_harness import init_megatron
+    from megatron.core import parallel_state
+
+    init_megatron(ep=2)
+    dispatcher = _dispatcher(_config(2, zero_copy=False))
+    _step(dispatcher, 3)
+    ep_group = dispatcher._comm_manager.group
+    if dist.get_rank() == 1:
+        dist.barrier()
+        dist.barrier(group=ep_group)
+        dist.barrier()
+        return {}
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("megatron.core").addHandler(handler)
+    parallel_state._COMM_BUFFER_RELEASE_TIMEOUT = bound
+    start = time.monotonic()
+    parallel_state.destroy_model_parallel()
+    out = {
+        "elapsed": time.monotonic() - start,
+        "bootstrapped": te.installed()._BOOTSTRAPPED,
+        "warnings": warnings,
+    }
+    dist.barrier()
+    dist.barrier()
+    return out
+
+
+def test_teardown_with_a_stuck_peer_leaves_the_context(dist_job, patched_tree):
+    """A teardown whose wait for the EP group gave up (a peer stuck in another collective) does
+    not finalize NCCL EP afterwards: TE's ep_finalize deregisters symmetric-memory windows and
+    ncclEpGroupDestroy synchronizes the device, both of which wait for that peer. The context
+    stays bootstrapped and the warning says why (the series at 2b85988 finalized it there)."""
+    r0, _ = dist_job(
+        f"{THIS}:rank_teardown_with_a_stuck_peer", 2, patched_tree, timeout=90.0, bound=3.0
+    )
+    assert 3.0 <= r0["elapsed"] < 8.0, r0
+    assert r0["bootstrapped"], r0
+    assert any("TimeoutError" in w for w in r0["warnings"]), r0
+
+
+def rank_two_groups_without_te_private_group():
+    """rank_two_groups with TransformerEngine's private ``_EP_GROUP`` read by nobody but TE:
+    every read from a megatron module is recorded (TE keeps it for its symmetric-memory pool; no
+    public API names the bootstrapped group)."""
+    import sys
+    import types
+
+    from cpu_runtime import te_ep_emulation as te
+
+    module = te.installed()
+    reads = []
+
+    class _Watched(types.ModuleType):
+        @property
+        def _EP_GROUP(self):  # noqa: N802 - TE's name
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith("megatron."):
+                reads.append(caller)
+            return self.__dict__["_ep_group_value"]
+
+        @_EP_GROUP.setter
+        def _EP_GROUP(self, value):  # noqa: N802
+            self.__dict__["_ep_group_value"] = value
+
+    value = module.__dict__.pop("_EP_GROUP", None)
+    module.__class__ = _Watched
+    module._EP_GROUP = value
+    out = rank_two_groups()
+    out["megatron_reads"] = sorted(set(reads))
+    return out
+
+
+def test_megatron_reads_no_private_te_ep_group(dist_job, patched_tree):
+    """The second-group refusal and the release work from the group megatron recorded when it
+    bootstrapped NCCL EP, not from TE's private ``te_ep._EP_GROUP`` (which the series at 2b85988
+    read in ensure_nccl_ep_bootstrapped, is_nccl_ep_bootstrapped and reset_fused_a2a_buffers)."""
+    for rank, res in enumerate(
+        dist_job(f"{THIS}:rank_two_groups_without_te_private_group", 4, patched_tree)
+    ):
+        assert res["megatron_reads"] == [], f"rank {rank}: {res['megatron_reads']}"
+        assert res["error"] and "reset_fused_a2a_buffers" in res["error"], f"rank {rank}: {res}"
+        assert all(torch.equal(x, y) for x, y in zip(res["b_first"], res["b_alone"])), rank
