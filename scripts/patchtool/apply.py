@@ -3,11 +3,13 @@
 """`apply`: carry the nearest stored series onto a Megatron-LM git checkout at any commit.
 
 Most users pin a Megatron-LM commit, not a release. ``apply CHECKOUT [--ref REF]`` finds the
-series whose base is nearest to REF by ancestry: the line REF is on (``main``, ``dev`` or a
-release branch ``core_r*``: REF on the first-parent history of the line's stored base, or the
-base on REF's; a release branch's commits from before its fork from main are main's) and, on
-it, the stored base fewest commits away (a commit base such as ``main-d98e8a6``, or a release
-whose tag the checkout has). Each patch of that series is then merged onto REF, file by file,
+stored series nearest to REF. REF must be on a known line: ``main``, ``dev`` or a release
+branch ``core_r*`` (REF on the first-parent history of the line's stored base, or the base on
+REF's; a release branch's commits from before its fork from main are main's), and not older
+than every series. Of the stored bases the checkout holds (a commit base such as
+``main-d98e8a6``, or a release whose tag it has), the nearest is the one whose files the
+series change differ least from REF's, then the one fewest commits apart; ``--series PIN``
+names another. Each patch of that series is then merged onto REF, file by file,
 as ``port`` merges (``git merge-file``: base = the stored base's file before the patch,
 theirs = after it, ours = REF's file with the earlier patches applied); a file the checkout
 has under another name (a rename between the base and REF) is merged where REF has it. Per
@@ -181,15 +183,19 @@ class Choice:
     """The stored series nearest to REF, and why."""
 
     base: Base
-    line: str  # main, dev or the release branch
+    line: str  # the line REF is on: main, dev or a release branch
     anchor: str  # the commit in the checkout that stands for the base
     why: str
-    candidates: list[str]  # the other series on REF's line, with their distances
+    candidates: list[str]  # the other stored bases, nearest first, with their distances
     root: Path = REPO_ROOT
 
     @property
     def series_dir(self) -> Path:
         return self.base.series_dir(self.root)
+
+
+def _n(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
 
 
 def _line_kind(base: Base) -> str:
@@ -220,8 +226,17 @@ def _anchors(co: Checkout, root: Path) -> list[tuple[Base, str, str]]:
     return out
 
 
-def choose_series(co: Checkout, ref: str, root: Path = REPO_ROOT) -> Choice:
-    """The stored series whose base is nearest to ``ref`` on the line ``ref`` is on."""
+def choose_series(
+    co: Checkout, ref: str, root: Path = REPO_ROOT, series: Optional[str] = None
+) -> Choice:
+    """The stored series nearest to ``ref`` (or the pinned base named ``series``), and why.
+
+    REF must be on a known line (main, dev, a release branch: see the module's docstring). Of
+    the stored bases the checkout holds, the nearest is the one whose files the series change
+    differ least from REF's (lines added and removed, ``git diff --numstat``), then the one
+    fewest commits apart: commit counts alone would take main's base for a main commit two
+    days after a release branch left main, or dev's for a dev commit from February, whose
+    code is a release's."""
     if co.date(ref) < SERIES_START:
         raise UserError(f"{co.describe(ref)} is older than every series (the oldest line, "
                         f"core_r0.16.0, starts {SERIES_START}); use a newer commit")  # fmt: skip
@@ -231,9 +246,11 @@ def choose_series(co: Checkout, ref: str, root: Path = REPO_ROOT) -> Choice:
                         "release tags): git fetch origin --tags main dev")  # fmt: skip
     main = next((a for b, a, _ in anchors if b.branch == "main" and b.is_commit), None)
     ref_fp = co.first_parents(ref)
-    found = []
-    for base, anchor, how in anchors:
+    apart: dict[str, tuple[int, int]] = {}  # pin -> (REF's commits not in it, its not in REF)
+    on_line = []
+    for base, anchor, _ in anchors:
         own, ahead = co.count(f"{anchor}..{ref}"), co.count(f"{ref}..{anchor}")
+        apart[base.name] = (own, ahead)
         if own and ahead:
             continue  # REF left the line
         if own and anchor not in ref_fp:
@@ -241,25 +258,46 @@ def choose_series(co: Checkout, ref: str, root: Path = REPO_ROOT) -> Choice:
         if not own and ref not in co.first_parents(anchor):
             continue  # the base holds REF only through a merge
         if _line_kind(base) != "main" and main is not None:
-            fork = co.out("merge-base", anchor, main)
-            if co.is_ancestor(ref, fork):
+            if co.is_ancestor(ref, co.out("merge-base", anchor, main)):
                 continue  # a main commit from before the line left main
-        found.append((own + ahead, LINE_ORDER.index(_line_kind(base)), base, anchor, how, own))
-    if not found:
+        on_line.append((own + ahead, LINE_ORDER.index(_line_kind(base)), base, anchor, own))
+    if not on_line:
         lines = ", ".join(sorted({b.branch for b, _, _ in anchors}))
         raise UserError(f"{co.describe(ref)} is on no known line (not on the first-parent "
                         f"history of {lines} from a stored base)")  # fmt: skip
-    found.sort(key=lambda f: (f[0], f[1]))
-    dist, _, base, anchor, how, own = found[0]
-    days = abs((co.date(anchor) - co.date(ref)).days)
-    where = "the same commit as" if not dist else (
-        f"{dist} commits ({days} days) {'before' if own else 'after'}")  # fmt: skip
-    why = (f"{base.branch}: REF is on {base.branch}'s first-parent history and {how} "
-           f"(pin {base.name}) is {where} it")  # fmt: skip
-    if dist:
-        why += f"; merge-base {co.out('merge-base', '--', ref, anchor)[:12]}"
-    others = [f"{b.name} ({d} commits)" for d, _, b, *_ in found[1:]]
-    return Choice(base, base.branch, anchor, why, others, root)
+    on_line.sort(key=lambda f: (f[0], f[1]))
+    dist, _, lbase, lanchor, own = on_line[0]
+    days = abs((co.date(lanchor) - co.date(ref)).days)
+    when = "before" if own else "after"
+    where = f"is {_n(dist, 'commit')} ({_n(days, 'day')}) {when} it" if dist else "is REF"
+    line = f"REF is on {lbase.branch} ({lbase.branch} {lanchor[:12]} {where})"
+    paths = sorted({
+        fp.path for base, _, _ in anchors for n, d in read_series(base, root)
+        for fp in parse_patch(d, n).files
+    })  # fmt: skip
+    ranked = []
+    for base, anchor, how in anchors:
+        stat = co.out("diff", "--numstat", anchor, ref, "--", *paths)
+        lines = sum(
+            int(f[0]) + int(f[1]) for f in (row.split() for row in stat.splitlines()) if f[0] != "-"
+        )
+        ranked.append((lines, sum(apart[base.name]), base, anchor, how))
+    ranked.sort(key=lambda r: (r[0], r[1]))
+    if series is not None:
+        named = [r for r in ranked if r[2].name == series]
+        if not named:
+            known = ", ".join(r[2].name for r in ranked)
+            raise UserError(f"--series {series}: not a stored base this checkout holds ({known})")
+        ranked.remove(named[0])
+        ranked.insert(0, named[0])
+    lines, total, base, anchor, how = ranked[0]
+    reason = "as --series says" if series is not None else "the nearest"
+    why = (f"{line}; {base.name} ({how}) is {reason}: {lines} lines differ from REF in the "
+           f"{len(paths)} files the series change, {_n(total, 'commit')} apart")  # fmt: skip
+    if total:
+        why += f" (merge-base {co.out('merge-base', ref, anchor)[:12]})"
+    others = [f"{b.name} ({n} lines, {t} commits)" for n, t, b, *_ in ranked[1:]]
+    return Choice(base, lbase.branch, anchor, why, others, root)
 
 
 # ----------------------------------------------------------------------------- the merge
@@ -372,10 +410,11 @@ def apply_series(
     scratch: Path,
     mirror: Optional[Path] = None,
     root: Path = REPO_ROOT,
+    series_name: Optional[str] = None,
 ) -> ApplyResult:
     """Merge the nearest series onto ``ref``, building one commit per applied patch in a
     scratch repository at ``scratch`` (an empty directory); the checkout is only read."""
-    choice = choose_series(co, ref, root)
+    choice = choose_series(co, ref, root, series_name)
     base = choice.base
     log(f"{co.describe(ref)}: nearest series {base.series} ({choice.why})")
     source = co.path if base.is_commit and co.has(base.commit) else mirror
@@ -467,7 +506,7 @@ def report_lines(co: Checkout, result: ApplyResult) -> list[str]:
         f"  why: {choice.why}",
     ]
     if choice.candidates:
-        out.append(f"  also on this line, farther: {', '.join(choice.candidates)}")
+        out.append(f"  farther: {', '.join(choice.candidates)}")
     for o in result.outcomes:
         note = f" ({o.note})" if o.note else ""
         out.append(f"  {o.verdict:30} {o.patch}{note}")
@@ -516,6 +555,7 @@ def run_apply(
     branch: Optional[str] = None,
     mirror: Optional[Path] = None,
     root: Optional[Path] = None,
+    series_name: Optional[str] = None,
 ) -> tuple[Checkout, ApplyResult, list[str]]:
     """The verb: bad input refused (UserError) before anything is written; then the merge, and
     on full success the branch (or the --out files). Returns what was done, in lines."""
@@ -545,7 +585,7 @@ def run_apply(
     done: list[str] = []
     with tempfile.TemporaryDirectory(prefix="moe-apply-") as tmp:
         scratch = Path(tmp) / "scratch.git"
-        result = apply_series(co, commit, scratch, mirror, root)
+        result = apply_series(co, commit, scratch, mirror, root, series_name)
         if not result.ok or dry_run:
             return co, result, ["(dry run: nothing written)"] if dry_run and result.ok else []
         if result.commit is None:

@@ -269,7 +269,7 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     co, result, done = run_apply(
         Path(args.checkout), args.ref, args.dry_run,
         Path(args.out) if args.out else None, args.branch,
-        Path(args.mirror) if args.mirror else None,
+        Path(args.mirror) if args.mirror else None, series_name=args.series,
     )  # fmt: skip
     for line in apply_report_lines(co, result):
         print(line)
@@ -412,8 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "apply",
         help="carry the nearest series onto a Megatron-LM git checkout at any commit (3-way)",
-        description="find the stored series nearest to REF by ancestry (main, dev or a release "
-        "branch; the closest stored base on it), merge each of its patches onto REF (3-way, "
+        description="find the stored series nearest to REF (REF on main, dev or a release "
+        "branch; of the stored bases, the one whose files the series change differ least from "
+        "REF's, then the fewest commits apart), merge each of its patches onto REF (3-way, "
         "replaying resolutions stored in <series>/apply/<commit12>/) and commit each on a new "
         "branch, or write git am -3-able files to --out. Reports per patch: applied, landed, "
         "not applicable (with the evidence) or conflict (file, hunk, both sides). Exit status "
@@ -423,6 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkout", metavar="CHECKOUT", help="a Megatron-LM git checkout (clean)")
     p.add_argument("--ref", help="the commit to apply to (default: HEAD)")
     p.add_argument("--dry-run", action="store_true", help="report only, write nothing")
+    p.add_argument("--series", metavar="PIN",
+                   help="take this pinned base's series (e.g. main-d98e8a6, 0.18.0) instead of "
+                   "the nearest")  # fmt: skip
     p.add_argument("--out", metavar="DIR", help="write git am-able files here instead of a branch")
     p.add_argument("--branch", metavar="NAME",
                    help="the new branch (default: moe-release/<commit12>)")  # fmt: skip

@@ -17,6 +17,7 @@ from patchtool.apply import (
     LANDED,
     NOT_APPLICABLE,
     REPLAYED,
+    choose_series,
     open_checkout,
     resolution_path,
     run_apply,
@@ -82,6 +83,10 @@ STASH = '"""Paged stash."""\n\nimport triton\n'
 STASH_CPU = (
     '"""Paged stash."""\n\ntry:\n    import triton\nexcept ImportError:\n    triton = None\n'
 )
+# dev's code: further from main's than main's commits are from each other (5 helpers changed)
+DEV_TD = DISPATCHER
+for _i in range(3, 8):
+    DEV_TD = DEV_TD.replace(f"return {_i}\n", f"return {_i}{_i}\n")
 RELEASE = "        self.routing_map = None\n        self.probs = None\n"
 P_STASH = "MoE-Let-the-paged-stash-import-without-Triton.patch"
 P_RELEASE = "MoE-Release-dispatcher-state-after-combine.patch"
@@ -151,14 +156,10 @@ def mlm(tmp_path, repo, monkeypatch):
                      {TD: td_b.replace("return 1\n", "return 10\n")})  # fmt: skip
     c[5] = _commit(m, "2026-07-01T12:00:00+00:00", "buffer per group (#6)", {FA: FUSED_PER_GROUP})
     _git(m, "checkout", "--quiet", "-b", "dev", c[1])
-    c["d1"] = _commit(m, "2026-03-10T12:00:00+00:00", "[dev] routing", {
-        TD: DISPATCHER.replace("return 3\n", "return 33\n")})  # fmt: skip
-    c["D"] = _commit(
-        m,
-        "2026-05-10T12:00:00+00:00",
-        "[dev] more routing",
-        {TD: DISPATCHER.replace("return 3\n", "return 33\n").replace("return 5\n", "return 55\n")},
-    )
+    c["d0"] = _commit(m, "2026-03-05T12:00:00+00:00", "[dev] docs", {"README.md": "dev\n"})
+    c["d1"] = _commit(m, "2026-03-10T12:00:00+00:00", "[dev] routing", {TD: DEV_TD})
+    c["D"] = _commit(m, "2026-05-10T12:00:00+00:00", "[dev] more routing",
+                     {TD: DEV_TD.replace("return 9\n", "return 99\n")})  # fmt: skip
     _git(m, "checkout", "--quiet", "-b", "feature", c[4])
     c["side"] = _commit(m, "2026-05-05T12:00:00+00:00", "wip", {"README.md": "wip\n"})
     _git(m, "checkout", "--quiet", "main")
@@ -172,8 +173,8 @@ def mlm(tmp_path, repo, monkeypatch):
         ("[MoE] Release dispatcher state after combine", {TD: after_b}),
         ("[MoE] Keep one buffer per process group", {FA: FUSED_PER_GROUP})])  # fmt: skip
     assert [n for n, _ in main_series] == [P_STASH, P_RELEASE, P_BUFFER]
-    dev_td = (DISPATCHER.replace("return 3\n", "return 33\n").replace("return 5\n", "return 55\n")
-              .replace("        return output\n", RELEASE + "        return output\n"))  # fmt: skip
+    dev_td = DEV_TD.replace("return 9\n", "return 99\n").replace(
+        "        return output\n", RELEASE + "        return output\n")  # fmt: skip
     dev_series = _series(work, c["D"], [("[MoE] Release dispatcher state after combine",
                                          {TD: dev_td})])  # fmt: skip
     pins = (repo / "patches" / "pins.toml").read_text().split("\n[bases.\"main-")[0]
@@ -212,8 +213,10 @@ def test_a_clean_apply_commits_each_patch_on_a_new_branch(mlm):
     assert result.ok and _verdicts(result) == {P_STASH: APPLIED, P_RELEASE: APPLIED,
                                                P_BUFFER: APPLIED}  # fmt: skip
     assert result.choice.base.name == f"main-{c['B'][:7]}"
-    assert result.choice.why.startswith("main: REF is on main's first-parent history")
-    assert "1 commits (31 days) after it" in result.choice.why
+    assert result.choice.why.startswith(f"REF is on main (main {c['B'][:12]} is 1 commit (31 "
+                                        f"days) after it); main-{c['B'][:7]} (main ")  # fmt: skip
+    assert "is the nearest: 2 lines differ from REF in the 3 files the series change" in (
+        result.choice.why)  # fmt: skip
     branch = f"moe-release/{c[4][:12]}"
     assert done[0].startswith(f"branch {branch} at ")
     log = _git(m, "log", "--format=%s%n%b%x00", f"{c[4]}..{branch}").split("\0")
@@ -247,8 +250,6 @@ def test_a_stored_resolution_is_replayed(mlm):
     assert n == 1
     resolved = DISPATCHER.replace("        return output\n", RELEASE + "        return output\n")
     co = open_checkout(m)
-    from patchtool.apply import choose_series
-
     path = resolution_path(choose_series(co, c[1], repo), c[1], P_RELEASE)
     path.parent.mkdir(parents=True)
     path.write_bytes(Resolution(file_diff(TD, merged, resolved.encode()), []).to_bytes(
@@ -288,7 +289,7 @@ def test_a_patch_already_upstream_is_landed(mlm):
     m, c, repo = mlm
     co, result, _ = _apply(m, c[5], repo)
     assert _verdicts(result) == {P_STASH: APPLIED, P_RELEASE: APPLIED, P_BUFFER: LANDED}
-    assert "1 commits (30 days) before it" in result.choice.why
+    assert "is 1 commit (30 days) before it" in result.choice.why
     assert _git(m, "rev-list", "--count", f"{c[5]}..moe-release/{c[5][:12]}") == "2"
 
 
@@ -299,9 +300,24 @@ def test_a_dev_commit_takes_the_dev_series(mlm):
     co, result, _ = _apply(m, c["d1"], repo, dry_run=True)
     assert result.choice.base.name == f"dev-{c['D'][:7]}" and result.ok
     assert _verdicts(result) == {P_RELEASE: APPLIED}
-    from patchtool.apply import choose_series
-
     assert choose_series(open_checkout(m), c[1], repo).base.branch == "main"
+
+
+def test_the_nearest_series_is_the_one_whose_code_is_nearest(mlm):
+    """d0, on dev two commits before dev's base, still has main's code in the files the series
+    change (dev changed them later): main's series is the nearest, as the report says;
+    --series takes dev's, which merges there too."""
+    m, c, repo = mlm
+    co = open_checkout(m)
+    choice = choose_series(co, c["d0"], repo)
+    assert choice.line == "dev" and choice.base.name == f"main-{c['B'][:7]}"
+    assert choice.why.startswith(f"REF is on dev (dev {c['D'][:12]} is 2 commits (66 days) after")
+    assert choice.candidates == [f"dev-{c['D'][:7]} (12 lines, 2 commits)"]
+    _, result, _ = _apply(m, c["d0"], repo, dry_run=True, series_name=f"dev-{c['D'][:7]}")
+    assert result.ok and _verdicts(result) == {P_RELEASE: APPLIED}
+    assert "is as --series says: 12 lines differ" in result.choice.why
+    with pytest.raises(UserError, match="--series 0.18.2: not a stored base this checkout holds"):
+        choose_series(co, c["d0"], repo, "0.18.2")
 
 
 def test_out_files_git_am_3_in_a_full_clone(mlm, tmp_path):
