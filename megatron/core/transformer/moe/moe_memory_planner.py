@@ -1595,6 +1595,8 @@ NOT_MODELLED = {
     "account_for_embedding_in_pipeline_split": "the embedding as a stage's layer",
     "account_for_loss_in_pipeline_split": "the loss as a stage's layer",
     "mtp_num_layers": "multi-token-prediction layers (their MoE layers are not counted)",
+    "moe_router_padding_for_fp8": "rows padded per expert for FP8 (routed rows are unpadded)",
+    "moe_router_padding_for_quantization": "rows padded per expert (routed rows are unpadded)",
 }
 TYPO_CUTOFF = 0.8  # difflib ratio: expert_model_paralel_size is 0.98 from its field
 
@@ -1883,6 +1885,10 @@ def config_from_args(
     except ValueError as exc:
         field_name, _, rest = str(exc).partition(": ")
         raise ValueError(f"{FIELD_FLAGS.get(field_name, field_name)}: {rest}") from None
+    if args.held_rows is not None and (
+        cfg.moe_token_dispatcher_type != "flex" or cfg.moe_flex_dispatcher_backend != "hybridep"
+    ):
+        notes.append("--held-rows prices a HybridEP buffer's growth; not read for this backend")
     for note in notes if printed else ():
         _note(note)
     return cfg, args.json, args.held_rows

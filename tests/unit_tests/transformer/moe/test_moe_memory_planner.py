@@ -1291,3 +1291,16 @@ def test_hybridep_ranks_per_nvlink_domain_from_the_environment(monkeypatch, caps
         monkeypatch.setenv("NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN", bad)
         line = _one_line_exit_2(capsys, args)
         assert f"NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN={bad!r}" in line and cited in line
+
+
+def test_inputs_read_but_not_priced_are_said(tmp_path, capsys):
+    """What the plan does not price is said on stderr, the plan still printed: --held-rows for
+    a backend other than HybridEP, per-expert padding of the routed rows for FP8."""
+    data, err = _plan_json(capsys, GOOD + ["--held-rows", 512])
+    assert "note: --held-rows prices a HybridEP buffer's growth; not read" in err
+    assert "growth" not in data
+    path = _yaml(tmp_path, "model:\n  hidden_size: 64\n  num_moe_experts: 8\n"
+                 "  moe_router_topk: 2\n  num_layers: 2\n  seq_length: 8\n"
+                 "  moe_router_padding_for_fp8: true\n")  # fmt: skip
+    _, err = _plan_json(capsys, ["--config-file", path])
+    assert "note: moe_router_padding_for_fp8 is set; not modelled" in err
