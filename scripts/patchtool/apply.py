@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -534,17 +535,23 @@ def report_lines(co: Checkout, result: ApplyResult) -> list[str]:
 
 def already_has_series(co: Checkout, ref: str, root: Path = REPO_ROOT) -> Optional[str]:
     """A commit among REF's last first-parent commits whose subject is a stored series
-    patch's (what `apply` commits), described; None if there is none."""
+    patch's (what `apply` commits, or `git am` of its files without ``-k``, which drops a
+    leading ``[MoE]``), described; None if there is none."""
     subjects = set()
     for base in load_pins(root / "patches" / "pins.toml").bases.values():
         if (base.series_dir(root) / "series").exists():
-            subjects |= {parse_patch(d, n).subject for n, d in read_series(base, root)}
+            subjects |= {_bare(parse_patch(d, n).subject) for n, d in read_series(base, root)}
     log_text = co.out("log", "--first-parent", "-n", "64", "--format=%h%x00%s", "--abbrev=12", ref)
     for line in log_text.splitlines():
         short, _, subject = line.partition("\0")
-        if subject in subjects:
+        if _bare(subject) in subjects:
             return f'{short} ("{subject[:60]}")'
     return None
+
+
+def _bare(subject: str) -> str:
+    """A subject without the leading ``[...]`` tags ``git am`` strips."""
+    return re.sub(r"^(\[[^]]*\]\s*)+", "", subject)
 
 
 def run_apply(

@@ -339,6 +339,8 @@ def test_out_files_git_am_3_in_a_full_clone(mlm, tmp_path):
     _git(tmp_path, "clone", "--quiet", str(m), str(clone))
     _git(clone, "checkout", "--quiet", "--detach", c[2])
     _git(clone, "am", "-3", "--quiet", *map(str, files))
+    with pytest.raises(UserError, match="already has the series: its history has "):
+        run_apply(clone, root=repo, dry_run=True)  # git am dropped the [MoE] prefix
     _, again, _ = _apply(m, c[2], repo)
     assert _git(clone, "rev-parse", "HEAD^{tree}") == _git(
         m, "rev-parse", f"moe-release/{c[2][:12]}^{{tree}}")  # fmt: skip
