@@ -1654,7 +1654,16 @@ def read_config_file(path: str, notes: Optional[List[str]] = None) -> Dict[str, 
         if not isinstance(section, dict):
             continue
         for key, value in section.items():
+            if key == "params_dtype" and isinstance(value, dict):  # Bridge: {_target_: torch.x}
+                value = str(value.get("_target_"))
             if not isinstance(key, str) or isinstance(value, dict):
+                if section is data and isinstance(key, str) and key not in ("model", "train"):
+                    near = closest(key, ["model", "train"])
+                    if near:
+                        raise ValueError(
+                            f"--config-file: {path}: unknown section {key!r}; the closest known "
+                            f"is {near!r}"
+                        )
                 continue
             if key in NOT_MODELLED and value not in (None, False, 0) and notes is not None:
                 notes.append(f"{key} is set; not modelled: {NOT_MODELLED[key]}")
@@ -1665,11 +1674,10 @@ def read_config_file(path: str, notes: Optional[List[str]] = None) -> Dict[str, 
                     f"--config-file: {path}: unknown key {key!r} ({where}); the closest known "
                     f"name is {closest(key, known)!r}"
                 )
-    model = data.get("model") if isinstance(data.get("model"), dict) else {}
-    if "params_dtype" in values:
-        values.pop("params_dtype")
+    if "params_dtype" in values:  # torch.bfloat16 or torch.float16: 16-bit activations
+        dtype = str(values.pop("params_dtype"))
         if "bf16" not in values and "fp16" not in values:
-            values["bf16"] = "bfloat16" in str(model.get("params_dtype", data.get("params_dtype")))
+            values["bf16"] = "float16" in dtype
     return values
 
 

@@ -1304,3 +1304,22 @@ def test_inputs_read_but_not_priced_are_said(tmp_path, capsys):
                  "  moe_router_padding_for_fp8: true\n")  # fmt: skip
     _, err = _plan_json(capsys, ["--config-file", path])
     assert "note: moe_router_padding_for_fp8 is set; not modelled" in err
+
+
+def test_bridge_yaml_shapes(tmp_path, capsys):
+    """Megatron-Bridge writes params_dtype as {_target_: torch.bfloat16}: 16-bit activations,
+    as torch.float16 is (the dict was skipped, fp32 assumed: token terms 2x). A typo'd section
+    name (modle:) is one line naming the section it is closest to, not a silent 'required'."""
+    body = ("  hidden_size: 64\n  num_moe_experts: 8\n  moe_router_topk: 2\n  num_layers: 2\n"
+            "  seq_length: 8\n")  # fmt: skip
+    for dtype, bf16 in (
+        ("torch.bfloat16", True),
+        ("torch.float16", True),
+        ("torch.float32", False),
+    ):
+        path = _yaml(tmp_path, "model:\n" + body + "  params_dtype:\n    _call_: false\n"
+                     f"    _target_: {dtype}\n")  # fmt: skip
+        data, _ = _plan_json(capsys, ["--config-file", path])
+        assert data["config"]["bf16"] is bf16, dtype
+    line = _one_line_exit_2(capsys, ["--config-file", _yaml(tmp_path, "modle:\n" + body)])
+    assert "unknown section 'modle'; the closest known is 'model'" in line
