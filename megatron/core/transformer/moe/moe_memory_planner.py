@@ -1474,7 +1474,8 @@ ARGS = {
     "tensor_model_parallel_size": Arg("--tensor-model-parallel-size", "TP, ranks (default 1)"),
     "context_parallel_size": Arg("--context-parallel-size", "CP, ranks (default 1)"),
     "pipeline_model_parallel_size": Arg(
-        "--pipeline-model-parallel-size", "PP, ranks (default 1); must divide --num-layers"
+        "--pipeline-model-parallel-size",
+        "PP, ranks (default 1); without a layout, PP x VPP must divide --num-layers",
     ),
     "virtual_pipeline_model_parallel_size": Arg(
         "--num-virtual-stages-per-pipeline-rank",
@@ -1482,7 +1483,7 @@ ARGS = {
     ),
     "pipeline_model_parallel_layout": Arg(
         "--pipeline-model-parallel-layout",
-        "megatron's layout string, e.g. 'Et*3|(tttt|)*14,tmL' (E embedding, t decoder, m MTP, "
+        "megatron's layout string, e.g. 'Et*4|(tttt|)*14,tmL' (E embedding, t decoder, m MTP, "
         "L loss; '|' between stages; default: layers split evenly over PP x VPP)",
         "LAYOUT",
     ),
