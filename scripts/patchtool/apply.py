@@ -19,6 +19,7 @@ patch the result is
 - ``applied, resolution replayed``: a person's resolution for this commit, stored as
   ``<series dir>/apply/<commit12>/<patch stem>.diff`` (port's resolution format: the diff
   from the mechanical merge, conflict markers included, to the resolved files), is replayed;
+  ``--record RESOLVED`` stores them from a commit on REF with one commit per patch to apply;
 - ``landed``: REF already holds the change (``landed``'s test over the whole series);
 - ``not applicable``: no file it changes exists at REF (where it went is the evidence);
 - ``conflict``: file, line, the patch's hunk, both sides and where a resolution would go.
@@ -46,19 +47,22 @@ from .landed import files_series_states
 from .patches import Patch, apply_file_patch, parse_patch
 from .pins import Base, load_pins
 from .port import (
+    MARK_OURS,
+    MARK_THEIRS,
     Conflict,
     Files,
     Resolution,
     _author,
     _stem,
     apply_with_offset,
+    file_diff,
     has_markers,
     merge_patch,
     parse_diff,
 )
 from .repo import read_series
 from .source import read_base_files
-from .trees import atomic_directory, check_target_dir
+from .trees import atomic_directory, check_target_dir, os_error
 
 # The oldest series' line, core_r0.16.0 (0.16.1), forked from main on 2026-02-02 (f4502eb);
 # a commit older than that is older than every series.
@@ -405,23 +409,25 @@ class _Scratch:
         return line[0] if line else "100644"
 
 
-def apply_series(
-    co: Checkout,
-    ref: str,
-    scratch: Path,
-    mirror: Optional[Path] = None,
-    root: Path = REPO_ROOT,
-    series_name: Optional[str] = None,
-) -> ApplyResult:
-    """Merge the nearest series onto ``ref``, building one commit per applied patch in a
-    scratch repository at ``scratch`` (an empty directory); the checkout is only read."""
+@dataclasses.dataclass
+class _Prepared:
+    """What a merge onto REF starts from."""
+
+    choice: Choice
+    states: list[tuple[Patch, Files, Files]]  # per patch: it, its files before and after
+    stored: dict[str, bytes]  # the resolutions stored for REF, by file name
+    at_ref: Files  # REF's files, by their path at the base
+    moved: dict[str, str]  # base path -> REF's path, for files renamed since the base
+
+
+def _prepare(
+    co: Checkout, ref: str, mirror: Optional[Path], root: Path, series_name: Optional[str]
+) -> _Prepared:
     choice = choose_series(co, ref, root, series_name)
     base = choice.base
     log(f"{co.describe(ref)}: nearest series {base.series} ({choice.why})")
     source = co.path if base.is_commit and co.has(base.commit) else mirror
-    base_files = read_base_files(base, source)
-    series = read_series(base, root)
-    states = _series_states(base_files, series)
+    states = _series_states(read_base_files(base, source), read_series(base, root))
     adir = choice.series_dir / APPLY_DIR / ref[:12]
     stored = {p.name: p.read_bytes() for p in sorted(adir.glob("*.diff"))} if adir.is_dir() else {}
     stems = {_stem(p.name) for p, _, _ in states}
@@ -432,10 +438,30 @@ def apply_series(
     paths |= {fp.path for n, d in stored.items() for fp in parse_diff(Resolution.parse(d).diff, n)}
     at_ref = co.files(ref, sorted(paths))
     moved = _renames(co, choice.anchor, ref, {p for p in paths if at_ref.get(p) is None})
-    if moved:
-        at_ref.update(co.files(ref, sorted(moved.values())))
-        for old, new in moved.items():
-            at_ref[old] = at_ref.pop(new)
+    return _Prepared(choice, states, stored, _by_base_path(co, ref, paths, moved), moved)
+
+
+def _by_base_path(co: Checkout, rev: str, paths: set[str], moved: dict[str, str]) -> Files:
+    """The files at ``rev``, a renamed one under its path at the base."""
+    files = co.files(rev, sorted(paths | set(moved.values())))
+    for old, new in moved.items():
+        files[old] = files.pop(new)
+    return files
+
+
+def apply_series(
+    co: Checkout,
+    ref: str,
+    scratch: Path,
+    mirror: Optional[Path] = None,
+    root: Path = REPO_ROOT,
+    series_name: Optional[str] = None,
+) -> ApplyResult:
+    """Merge the nearest series onto ``ref``, building one commit per applied patch in a
+    scratch repository at ``scratch`` (an empty directory); the checkout is only read."""
+    prep = _prepare(co, ref, mirror, root, series_name)
+    choice, states, stored, at_ref, moved = (
+        prep.choice, prep.states, prep.stored, prep.at_ref, prep.moved)  # fmt: skip
     landed = files_series_states(at_ref, [p for p, _, _ in states])
     ours: Files = dict(at_ref)
     outcomes: list[Outcome] = []
@@ -497,6 +523,89 @@ def apply_series(
     return ApplyResult(ref, choice, outcomes, head if head != ref else None, ok)
 
 
+def record_resolutions(
+    co: Checkout,
+    ref: str,
+    resolved: str,
+    mirror: Optional[Path] = None,
+    root: Path = REPO_ROOT,
+    series_name: Optional[str] = None,
+) -> tuple[Choice, list[str]]:
+    """Store what a person did at ``ref``: ``resolved`` is a commit on it whose first-parent
+    commits since ``ref`` are the patches to apply there (the landed and not applicable ones
+    left out), in order. Per patch, the difference from the mechanical merge (conflict markers
+    included) to that commit's files is stored as its resolution, and an old one with nothing
+    left to store deleted. Returns the files written and deleted, in words."""
+    if not co.is_ancestor(ref, resolved):
+        raise UserError(f"--record {resolved}: not a descendant of REF {ref[:12]}")
+    commits = co.out("rev-list", "--reverse", "--first-parent", f"{ref}..{resolved}").split()
+    prep = _prepare(co, ref, mirror, root, series_name)
+    choice, moved = prep.choice, prep.moved
+    paths = set(prep.at_ref)
+    landed = files_series_states(prep.at_ref, [p for p, _, _ in prep.states])
+    ours, k = dict(prep.at_ref), 0
+    changes: dict[Path, Optional[bytes]] = {}
+    for (patch, before, after), state in zip(prep.states, landed, strict=True):
+        path = resolution_path(choice, ref, patch.name)
+        changes[path] = None
+        if state.verdict == "landed":
+            continue
+        merged, conflicts = merge_patch(ours, before, after, patch)
+        modified = [fp.path for fp in patch.files if not fp.new_file]
+        if conflicts and modified and all(ours.get(p) is None for p in modified):
+            continue  # not applicable
+        if k == len(commits):
+            raise UserError(f"--record {resolved}: {len(commits)} commit(s) on REF, but "
+                            f"{patch.name} and maybe more are still to apply")  # fmt: skip
+        done = _by_base_path(co, commits[k], paths, moved)
+        k += 1
+        result: Files = dict(ours)
+        result.update(merged)
+        diff = b"".join(
+            file_diff(p, result.get(p), done.get(p))
+            for p in sorted(paths) if result.get(p) != done.get(p)
+        )  # fmt: skip
+        absent = sorted({c.path for c in conflicts if c.absent})
+        if diff or absent:
+            head = (f"# Resolution of {patch.name} at {ref}, replayed by `moe_release.py apply`:\n"
+                    "# the change from the 3-way merge of the series' patch onto that commit\n"
+                    f"# (conflict markers '{MARK_OURS.decode()}' / '{MARK_THEIRS.decode()}') to "
+                    "what it carries there. Recorded by `apply --record`.\n")  # fmt: skip
+            head += "".join(f"# absent: {p}\n" for p in absent)  # as Resolution.parse reads
+            changes[path] = head.encode() + diff
+        ours = done
+    if k != len(commits):
+        raise UserError(f"--record {resolved}: {len(commits)} commit(s) on REF, but only {k} "
+                        "patch(es) to apply there")  # fmt: skip
+    return choice, _write_changes(changes, choice.root)
+
+
+def _write_changes(changes: dict[Path, Optional[bytes]], root: Path) -> list[str]:
+    """Write (bytes) or delete (None) files, staged first so a failure leaves them as they were."""
+    staged, words = [], []
+    try:
+        for path, data in changes.items():
+            if data is not None and (not path.exists() or path.read_bytes() != data):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(f".{path.name}.tmp")
+                tmp.write_bytes(data)
+                staged.append((tmp, path))
+        for tmp, path in staged:
+            os.replace(tmp, path)
+            words.append(f"written: {path.relative_to(root)}")
+    except OSError as exc:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+        raise os_error(exc, str(root)) from None
+    for path, data in changes.items():
+        if data is None and path.exists():
+            path.unlink()
+            words.append(f"deleted: {path.relative_to(root)}")
+            if not any(path.parent.iterdir()):
+                path.parent.rmdir()
+    return words
+
+
 def report_lines(co: Checkout, result: ApplyResult) -> list[str]:
     """Per patch its verdict; a conflict with its file, hunk, both sides and where a stored
     resolution would go."""
@@ -554,6 +663,36 @@ def _bare(subject: str) -> str:
     return re.sub(r"^(\[[^]]*\]\s*)+", "", subject)
 
 
+def _megatron_commit(co: Checkout, rev: str) -> str:
+    commit = co.has(rev)
+    if commit is None:
+        raise UserError(f"{co.path}: unknown ref {rev!r}")
+    if co.run("cat-file", "-e", f"{commit}:megatron/core").returncode != 0:
+        raise UserError(f"{co.path}: {rev} is not a Megatron-LM commit (no megatron/core)")
+    return commit
+
+
+def run_record(
+    checkout: Path,
+    ref: Optional[str],
+    resolved: str,
+    mirror: Optional[Path] = None,
+    root: Optional[Path] = None,
+    series_name: Optional[str] = None,
+) -> list[str]:
+    """``apply --record RESOLVED``: store the resolutions RESOLVED's commits make at REF (see
+    :func:`record_resolutions`); the checkout is only read. Returns what was done, in lines."""
+    co = open_checkout(checkout)
+    commit = _megatron_commit(co, ref or "HEAD")
+    done = co.has(resolved)
+    if done is None:
+        raise UserError(f"{checkout}: unknown ref {resolved!r} (--record)")
+    choice, words = record_resolutions(co, commit, done, mirror, root or REPO_ROOT, series_name)
+    where = choice.series_dir / APPLY_DIR / commit[:12]
+    head = f"resolutions of {choice.base.series} at {commit[:12]} from {resolved}: {where}"
+    return [head] + (words or ["unchanged"])
+
+
 def run_apply(
     checkout: Path,
     ref: Optional[str] = None,
@@ -569,11 +708,7 @@ def run_apply(
     root = root or REPO_ROOT
     co = open_checkout(checkout)
     rev = ref or "HEAD"
-    commit = co.has(rev)
-    if commit is None:
-        raise UserError(f"{checkout}: unknown ref {rev!r}")
-    if co.run("cat-file", "-e", f"{commit}:megatron/core").returncode != 0:
-        raise UserError(f"{checkout}: {rev} is not a Megatron-LM commit (no megatron/core)")
+    commit = _megatron_commit(co, rev)
     check_clean(co)
     if out_dir is not None and branch is not None:
         raise UserError("--out and --branch exclude each other (--out writes files, no branch)")

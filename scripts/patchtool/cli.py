@@ -28,11 +28,12 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
 from .apply import report_lines as apply_report_lines
-from .apply import run_apply
+from .apply import run_apply, run_record
 from .check import check_base, find_installed_core, verify_installed
 from .common import UserError, log
 from .git import create_edit_repo, export_series
@@ -46,6 +47,7 @@ from .sdist import fetch_sdist
 from .source import CHECKOUT_ENV, available, not_configured, read_base_files
 from .trees import MANIFEST_PATH, check_target_dir, ensure_trees, load_tree, materialize
 from .upstream import (
+    TOPIC_DEPENDS,
     TOPICS,
     check_checkout_dir,
     check_export,
@@ -233,7 +235,13 @@ def _cmd_upstream(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"note: {note}")
     if args.check:
-        for line in check_export(paths, Path(args.check), args.ref or args.target, ident):
+        with tempfile.TemporaryDirectory(prefix="moe-release-deps-") as tmp:
+            first = []  # the PRs this one builds on, applied before it
+            for dep in TOPIC_DEPENDS.get(args.topic, ()):
+                first += export_upstream(args.target, Path(tmp) / dep, ident, dep)
+                print(f"(checked after the {dep} PR it builds on)")
+            lines = check_export(first + paths, Path(args.check), args.ref or args.target, ident)
+        for line in lines:
             print(line)
     return 0
 
@@ -266,10 +274,18 @@ def _cmd_port(args: argparse.Namespace) -> int:
 
 
 def _cmd_apply(args: argparse.Namespace) -> int:
+    mirror = Path(args.mirror) if args.mirror else None
+    if args.record:
+        if args.dry_run or args.out or args.branch:
+            raise UserError("--record writes resolutions only: no --dry-run, --out or --branch")
+        for line in run_record(Path(args.checkout), args.ref, args.record, mirror,
+                               series_name=args.series):  # fmt: skip
+            print(line)
+        return 0
     co, result, done = run_apply(
         Path(args.checkout), args.ref, args.dry_run,
         Path(args.out) if args.out else None, args.branch,
-        Path(args.mirror) if args.mirror else None, series_name=args.series,
+        mirror, series_name=args.series,
     )  # fmt: skip
     for line in apply_report_lines(co, result):
         print(line)
@@ -373,9 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", metavar="CHECKOUT", help="git am the export onto a clone of it")
     p.add_argument("--ref", help="ref of CHECKOUT to apply to (default: TARGET)")
     p.add_argument("--topic", default="memory", choices=TOPICS,
-                   help="which PR: dispatcher-state, a2a-overlap, comm-buffers (one per "
-                   "code-owner area), cpu-import, or memory (the first three as one series, "
-                   "the default)")  # fmt: skip
+                   help="which PR: dispatcher-state, a2a-overlap, hybridep-groups, comm-buffers "
+                   "(which builds on hybridep-groups), cpu-import, or memory (the first four as "
+                   "one series, the default)")  # fmt: skip
     p.set_defaults(func=_cmd_upstream)
     p = sub.add_parser(
         "port",
@@ -430,6 +446,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", help="write git am-able files here instead of a branch")
     p.add_argument("--branch", metavar="NAME",
                    help="the new branch (default: moe-release/<commit12>)")  # fmt: skip
+    p.add_argument(
+        "--record",
+        metavar="RESOLVED",
+        help="store what a person did: RESOLVED is a commit of CHECKOUT on REF with one "
+        "commit per patch to apply there, in order; per patch its difference from the 3-way "
+        "merge is stored in <series>/apply/<commit12>/ (nothing else is written)",
+    )
     p.add_argument(
         "--mirror",
         metavar="CHECKOUT",

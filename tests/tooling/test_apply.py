@@ -24,7 +24,7 @@ from patchtool.apply import (
 )
 from patchtool.common import UserError
 from patchtool.git import format_patches, git, git_env
-from patchtool.port import Resolution, file_diff, merge_file
+from patchtool.port import Resolution, file_diff, has_markers, merge_file
 
 MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
 TD = "megatron/core/transformer/moe/token_dispatcher.py"
@@ -254,6 +254,7 @@ def test_a_stored_resolution_is_replayed(mlm):
     path.parent.mkdir(parents=True)
     path.write_bytes(Resolution(file_diff(TD, merged, resolved.encode()), []).to_bytes(
         P_RELEASE, c[1][:12]))  # fmt: skip
+    assert has_markers(merged) and b"<<<<<<< target" in path.read_bytes()
     co, result, done = _apply(m, c[1], repo)
     assert result.ok, _verdicts(result)
     assert _verdicts(result) == {P_STASH: NOT_APPLICABLE, P_RELEASE: REPLAYED, P_BUFFER: APPLIED}
@@ -262,6 +263,50 @@ def test_a_stored_resolution_is_replayed(mlm):
     branch = f"moe-release/{c[1][:12]}"
     assert _git(m, "show", f"{branch}:{TD}") + "\n" == resolved
     assert _git(m, "rev-list", "--count", f"{c[1]}..{branch}") == "2"
+
+
+def test_record_stores_what_a_person_resolved(mlm, capsys):
+    """`apply --record RESOLVED`: a person resolves at c1 with git (a commit per patch to
+    apply, here the conflicting one resolved by hand and the clean one as it merges); per patch
+    the difference from the 3-way merge is stored, only where there is one, and apply then
+    replays it: the branch is RESOLVED's tree. The checkout is only read."""
+    m, c, repo = mlm
+    _git(m, "checkout", "--quiet", "-b", "resolved", c[1])
+    resolved = DISPATCHER.replace("        return output\n", RELEASE + "        return output\n")
+    _commit(m, "2026-12-01T12:00:00+00:00", "release, resolved", {TD: resolved})
+    _commit(m, "2026-12-01T12:00:00+00:00", "buffers", {FA: FUSED_PER_GROUP})
+    _git(m, "checkout", "--quiet", "main")
+    before = _snapshot(m)
+    assert cli.main(["apply", str(m), "--ref", c[1], "--record", "resolved"]) == 0
+    out = capsys.readouterr().out
+    sdir = repo / "patches" / "upstream" / "main"
+    stored = sorted(p.relative_to(sdir) for p in (sdir / "apply").rglob("*") if p.is_file())
+    assert stored == [Path(f"apply/{c[1][:12]}/MoE-Release-dispatcher-state-after-combine.diff")]
+    assert f"written: patches/upstream/main/{stored[0]}" in out
+    data = (sdir / stored[0]).read_bytes()
+    assert data.startswith(b"# Resolution of " + P_RELEASE.encode() + b" at " + c[1].encode())
+    assert b"-<<<<<<< target\n" in data and b"-        output = tokens.clone()\n" in data
+    assert _snapshot(m) == before
+    _, result, _ = _apply(m, c[1], repo)
+    assert _verdicts(result) == {P_STASH: NOT_APPLICABLE, P_RELEASE: REPLAYED, P_BUFFER: APPLIED}
+    assert _git(m, "rev-parse", f"moe-release/{c[1][:12]}^{{tree}}") == _git(
+        m, "rev-parse", "resolved^{tree}")  # fmt: skip
+    # Recorded again from the branch apply made: the same resolution, nothing written.
+    _git(m, "branch", "again", f"moe-release/{c[1][:12]}")
+    assert cli.main(["apply", str(m), "--ref", c[1], "--record", "again"]) == 0
+    assert capsys.readouterr().out.endswith("\nunchanged\n")
+    assert (sdir / stored[0]).read_bytes() == data
+    # At c2, where the patch merges cleanly, a stale resolution is deleted by a record.
+    _apply(m, c[2], repo)
+    stale = sdir / "apply" / c[2][:12] / stored[0].name
+    stale.parent.mkdir()
+    stale.write_bytes(data)
+    assert cli.main(["apply", str(m), "--ref", c[2], "--record", f"moe-release/{c[2][:12]}"]) == 0
+    assert f"deleted: patches/upstream/main/apply/{c[2][:12]}/" in capsys.readouterr().out
+    assert not stale.parent.exists()
+    _git(m, "branch", "short", f"{c[1]}")
+    assert cli.main(["apply", str(m), "--ref", c[1], "--record", "short"]) == 2
+    assert "0 commit(s) on REF, but " + P_RELEASE in capsys.readouterr().err
 
 
 def test_a_conflict_is_reported_and_nothing_changes(mlm, capsys, monkeypatch):
