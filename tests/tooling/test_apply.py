@@ -30,6 +30,7 @@ MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
 TD = "megatron/core/transformer/moe/token_dispatcher.py"
 FA = "megatron/core/transformer/moe/fused_a2a.py"
 PS = "megatron/core/transformer/moe/paged_stash.py"
+TD_MOVED = "megatron/core/transformer/moe/dispatchers/token_dispatcher.py"
 PACKAGE_INFO = "MAJOR = 0\nMINOR = 20\nPATCH = 0\nPRE_RELEASE = ''\n"
 HELPERS = "".join(f"\n\ndef helper_{i}():\n    return {i}\n" for i in range(1, 13))
 DISPATCHER = (
@@ -155,6 +156,9 @@ def mlm(tmp_path, repo, monkeypatch):
     c["B"] = _commit(m, "2026-06-01T12:00:00+00:00", "helper 1 (#5)",
                      {TD: td_b.replace("return 1\n", "return 10\n")})  # fmt: skip
     c[5] = _commit(m, "2026-07-01T12:00:00+00:00", "buffer per group (#6)", {FA: FUSED_PER_GROUP})
+    moved = _git(m, "show", f"{c[5]}:{TD}") + "\n"
+    c[6] = _commit(m, "2026-07-10T12:00:00+00:00", "move the dispatchers (#7)",
+                   {TD: None, TD_MOVED: moved})  # fmt: skip
     _git(m, "checkout", "--quiet", "-b", "dev", c[1])
     c["d0"] = _commit(m, "2026-03-05T12:00:00+00:00", "[dev] docs", {"README.md": "dev\n"})
     c["d1"] = _commit(m, "2026-03-10T12:00:00+00:00", "[dev] routing", {TD: DEV_TD})
@@ -338,6 +342,19 @@ def test_a_patch_already_upstream_is_landed(mlm):
     assert _git(m, "rev-list", "--count", f"{c[5]}..moe-release/{c[5][:12]}") == "2"
 
 
+def test_a_file_moved_since_the_base_is_merged_where_REF_has_it(mlm):
+    """At c6, which moved token_dispatcher.py after main's base, the release patch is merged
+    into the file at its new path (git's rename detection between the base and REF)."""
+    m, c, repo = mlm
+    _, result, _ = _apply(m, c[6], repo)
+    assert _verdicts(result) == {P_STASH: APPLIED, P_RELEASE: APPLIED, P_BUFFER: LANDED}
+    release = next(o for o in result.outcomes if o.patch == P_RELEASE)
+    assert release.note == f"{TD} merged as {TD_MOVED}"
+    branch = f"moe-release/{c[6][:12]}"
+    assert RELEASE in _git(m, "show", f"{branch}:{TD_MOVED}") + "\n"
+    assert _git(m, "diff", "--name-only", c[6], branch).split() == sorted([PS, TD_MOVED])
+
+
 def test_a_dev_commit_takes_the_dev_series(mlm):
     """A commit on dev's first-parent history takes dev's series; main's c1, on dev's history
     only from before dev left main, stays main's."""
@@ -400,8 +417,8 @@ def test_bad_input_is_one_line_exit_2_nothing_changed(mlm, tmp_path, capsys, cas
         (tmp_path / "plain").mkdir()
         args, want = ["apply", str(tmp_path / "plain")], "not a git checkout"
     elif case == "dirty":
-        (m / TD).write_text("changed\n")
-        want = "work tree not clean (1 changed file(s), first: " + TD
+        (m / FA).write_text("changed\n")
+        want = "work tree not clean (1 changed file(s), first: " + FA
     elif case == "unknown-ref":
         args, want = args + ["--ref", "no-such-ref"], "unknown ref 'no-such-ref'"
     elif case == "no-line":
