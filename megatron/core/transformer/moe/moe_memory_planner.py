@@ -831,6 +831,8 @@ class MoEMemoryConfig:
     context_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    num_layers_in_last_pipeline_stage: Optional[int] = None
     pipeline_model_parallel_layout: Union[None, str, Tuple[Tuple[str, ...], ...]] = None
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None
@@ -875,6 +877,8 @@ class MoEMemoryConfig:
         for name in (
             "seq_length",
             "virtual_pipeline_model_parallel_size",
+            "num_layers_in_first_pipeline_stage",
+            "num_layers_in_last_pipeline_stage",
             "expert_tensor_parallel_size",
             "tokens_per_rank",
             "moe_flex_dispatcher_num_sms",
@@ -980,68 +984,112 @@ class MoEMemoryConfig:
         return tp * self.context_parallel_size
 
     def _check_pipeline(self) -> None:
+        """Megatron's checks of the pipeline split (transformer_config.py, layout module)."""
         pp, vpp, layout = (
             self.pipeline_model_parallel_size,
             self.virtual_pipeline_model_parallel_size,
             self.pipeline_model_parallel_layout,
         )
-        if layout is None:
-            stages = pp * (vpp or 1)
-            if stages > MAX_PATTERN_LAYERS:
+        first, last = (
+            self.num_layers_in_first_pipeline_stage,
+            self.num_layers_in_last_pipeline_stage,
+        )
+        if pp * (vpp or 1) > MAX_PATTERN_LAYERS:
+            raise ValueError(
+                f"pipeline_model_parallel_size: {pp * (vpp or 1):,} pipeline stages (PP x VPP) "
+                "are more than any model has layers"
+            )
+        if layout is not None:
+            if first is not None or last is not None:
                 raise ValueError(
-                    f"pipeline_model_parallel_size: {stages:,} pipeline stages (PP x VPP) are more "
-                    "than any model has layers"
+                    "pipeline_model_parallel_layout: cannot be set with num_layers_in_first/last_"
+                    f"pipeline_stage ({TRANSFORMER_CONFIG}:1939-1953)"
                 )
+            where = "megatron/core/transformer/pipeline_parallel_layer_layout.py"
+            if len(layout) % pp:
+                raise ValueError(
+                    f"pipeline_model_parallel_layout: {len(layout)} stages do not divide over "
+                    f"PP {pp} ({where}:40-44)"
+                )
+            if vpp is not None and vpp != len(layout) // pp:
+                raise ValueError(
+                    f"virtual_pipeline_model_parallel_size: {vpp}, but the layout has "
+                    f"{len(layout) // pp} stages per pipeline rank ({TRANSFORMER_CONFIG}:1973-1979)"
+                )
+            decoders = sum(stage.count("decoder") for stage in layout)
+            if decoders != self.num_layers:
+                raise ValueError(
+                    f"pipeline_model_parallel_layout: {decoders} decoder layers for num_layers "
+                    f"{self.num_layers} ({where}:106-109)"
+                )
+            return
+        if first is None and last is None:
+            stages = pp * (vpp or 1)
             if self.num_layers % stages:
                 raise ValueError(
                     "pipeline_model_parallel_size: must divide num_layers"
                     + (f" (x {vpp} virtual stages)" if vpp else "")
                 )
             return
-        where = "megatron/core/transformer/pipeline_parallel_layer_layout.py"
-        if len(layout) % pp:
+        middle, middle_stages = self.num_layers, pp
+        for name, n, lines in (("first", first, ":2000-2011"), ("last", last, ":2019-2030")):
+            if n is None:
+                continue
+            if vpp and n % vpp:
+                raise ValueError(
+                    f"num_layers_in_{name}_pipeline_stage: {n} does not divide into {vpp} virtual "
+                    f"stages ({TRANSFORMER_CONFIG}{lines})"
+                )
+            middle, middle_stages = middle - n, middle_stages - 1
+        if bool(middle) != bool(middle_stages) or middle < 0:
             raise ValueError(
-                f"pipeline_model_parallel_layout: {len(layout)} stages do not divide over "
-                f"PP {pp} ({where}:40-44)"
+                f"num_layers_in_first_pipeline_stage: {middle} middle layers for {middle_stages} "
+                f"middle stages ({TRANSFORMER_CONFIG}:2035-2039)"
             )
-        if vpp is not None and vpp != len(layout) // pp:
+        if middle_stages > 0 and (middle % middle_stages or (middle // middle_stages) % (vpp or 1)):
             raise ValueError(
-                f"virtual_pipeline_model_parallel_size: {vpp}, but the layout has "
-                f"{len(layout) // pp} stages per pipeline rank (arguments.py derives it from the "
-                "layout)"
+                f"num_layers_in_first_pipeline_stage: {middle} middle layers do not divide over "
+                f"{middle_stages} middle stages"
+                + (f" x {vpp} virtual" if vpp else "")
+                + f" ({TRANSFORMER_CONFIG}:2043-2062)"
             )
-        decoders = sum(stage.count("decoder") for stage in layout)
-        if decoders != self.num_layers:
-            raise ValueError(
-                f"pipeline_model_parallel_layout: {decoders} decoder layers for num_layers "
-                f"{self.num_layers} ({where}:106-109)"
-            )
+
+    def _stage_decoders(self) -> List[int]:
+        """Decoder layers of each pipeline stage in layer order: stage v x PP + r is virtual
+        stage v of rank r (megatron's get_transformer_layer_offset / the layout's flatten)."""
+        pp, vpp = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size or 1
+        if self.pipeline_model_parallel_layout is not None:
+            return [stage.count("decoder") for stage in self.pipeline_model_parallel_layout]
+        first, last = (
+            self.num_layers_in_first_pipeline_stage,
+            self.num_layers_in_last_pipeline_stage,
+        )
+        if first is None and last is None:
+            return [self.num_layers // (pp * vpp)] * (pp * vpp)
+        middle_stages = pp - (first is not None) - (last is not None)
+        middle = self.num_layers - (first or 0) - (last or 0)
+        per_rank = [middle // middle_stages if middle_stages > 0 else 0] * pp
+        if first is not None:
+            per_rank[0] = first
+        if last is not None:
+            per_rank[-1] = last
+        return [per_rank[r] // vpp for _ in range(vpp) for r in range(pp)]
 
     def rank_moe_layers(self) -> List[int]:
-        """MoE layers each pipeline rank builds (all its virtual stages): decoder layers split
-        over the PP x VPP stages in order (stage v x PP + r on rank r), evenly or as
-        ``pipeline_model_parallel_layout`` places them; layer i is MoE when
-        ``moe_layer_freq`` says so (``i % N == 0``, or the pattern's entry, as
-        ``gpt_layer_specs.py`` reads it)."""
+        """MoE layers each pipeline rank builds (all its virtual stages): the decoder layers of
+        each stage in order (:meth:`_stage_decoders`: even, uneven first/last stages, or
+        ``pipeline_model_parallel_layout``), layer i MoE when ``moe_layer_freq`` says so
+        (``i % N == 0``, or the pattern's entry, as ``gpt_layer_specs.py`` reads it)."""
         pp, freq = self.pipeline_model_parallel_size, self.moe_layer_freq
         counts = [0] * pp
-
-        def moe_in(first: int, end: int) -> int:  # MoE layers among [first, end)
-            if isinstance(freq, int):
-                return _cdiv(end, freq) - _cdiv(first, freq)
-            return sum(freq[first:end])
-
-        if self.pipeline_model_parallel_layout is None:
-            stages = pp * (self.virtual_pipeline_model_parallel_size or 1)
-            per = self.num_layers // stages
-            for s in range(stages):
-                counts[s % pp] += moe_in(s * per, (s + 1) * per)
-            return counts
         first = 0
-        for s, stage in enumerate(self.pipeline_model_parallel_layout):
-            n = stage.count("decoder")
-            counts[s % pp] += moe_in(first, first + n)
-            first += n
+        for s, n in enumerate(self._stage_decoders()):
+            end = first + n
+            if isinstance(freq, int):
+                counts[s % pp] += _cdiv(end, freq) - _cdiv(first, freq)
+            else:
+                counts[s % pp] += sum(freq[first:end])
+            first = end
         return counts
 
     @property
@@ -1274,7 +1322,7 @@ def buffer_terms(cfg: MoEMemoryConfig) -> List[Term]:
 def kernel_refusal(cfg: MoEMemoryConfig) -> Optional[str]:
     """Why the kernels of ``cfg``'s flex backend refuse it, as ``field: reason (source line)``;
     None if they accept it. DeepEP: an odd SM count (megatron passes it to
-    ``Buffer.set_num_sms``, token_dispatcher.py:1434), more than 1024 local experts, top-k over
+    ``Buffer.set_num_sms``, token_dispatcher.py:1279), more than 1024 local experts, top-k over
     32, hidden bytes not a multiple of 16 (the intranode or internode check, by group size);
     HybridEP: :func:`hybridep_refusal`. (The sizing functions do not refuse: the CPU emulation
     runs shapes the kernels would not.)"""
@@ -1481,6 +1529,14 @@ ARGS = {
         "--num-virtual-stages-per-pipeline-rank",
         "VPP, virtual stages per pipeline rank (default: none; with a layout, from it)",
     ),
+    "num_layers_in_first_pipeline_stage": Arg(
+        "--decoder-first-pipeline-num-layers",
+        "layers of the first pipeline stage (default: an even split)",
+    ),
+    "num_layers_in_last_pipeline_stage": Arg(
+        "--decoder-last-pipeline-num-layers",
+        "layers of the last pipeline stage (default: an even split)",
+    ),
     "pipeline_model_parallel_layout": Arg(
         "--pipeline-model-parallel-layout",
         "megatron's layout string, e.g. 'Et*4|(tttt|)*14,tmL' (E embedding, t decoder, m MTP, "
@@ -1557,12 +1613,14 @@ REQUIRED = ("hidden_size", "num_moe_experts", "moe_router_topk", "num_layers")
 # Command-line flag (Megatron's argument names) -> MoEMemoryConfig field.
 FLAGS = {arg.flag: name for name, arg in ARGS.items()}
 FIELD_FLAGS = {field_name: flag for flag, field_name in FLAGS.items()}
+FIELD_FLAGS["num_layers_per_virtual_pipeline_stage"] = "--num-layers-per-virtual-pipeline-stage"
 INT_FIELDS = {
     "hidden_size", "num_moe_experts", "moe_router_topk", "num_layers", "seq_length",
     "micro_batch_size", "tensor_model_parallel_size", "context_parallel_size",
     "pipeline_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
     "moe_flex_dispatcher_num_sms", "moe_hybridep_num_sms_preprocessing",
     "tokens_per_rank", "ranks_per_node", "virtual_pipeline_model_parallel_size",
+    "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
 }  # fmt: skip
 FLOAT_FIELDS = ("routed_rows_factor", "moe_expert_rank_capacity_factor")
 BOOL_KEYS = (
@@ -1573,6 +1631,8 @@ BOOL_KEYS = (
 YAML_ALIASES = {
     "num_experts": "num_moe_experts",
     "num_virtual_stages_per_pipeline_rank": "virtual_pipeline_model_parallel_size",
+    "decoder_first_pipeline_num_layers": "num_layers_in_first_pipeline_stage",
+    "decoder_last_pipeline_num_layers": "num_layers_in_last_pipeline_stage",
 }
 TRANSFORMER_CONFIG = "megatron/core/transformer/transformer_config.py"
 # Deprecated TransformerConfig fields megatron-core 0.19 still accepts and routes to
@@ -1591,8 +1651,6 @@ MEGATRON_NEIGHBOURS = frozenset({
 NOT_MODELLED = {
     "moe_expert_capacity_factor": "capacity-factor routing (the plan is dropless)",
     "moe_pad_expert_input_to_capacity": "capacity-factor routing (the plan is dropless)",
-    "num_layers_in_first_pipeline_stage": "uneven stages (layers split over PP evenly)",
-    "num_layers_in_last_pipeline_stage": "uneven stages (layers split over PP evenly)",
     "account_for_embedding_in_pipeline_split": "the embedding as a stage's layer",
     "account_for_loss_in_pipeline_split": "the loss as a stage's layer",
     "mtp_num_layers": "multi-token-prediction layers (their MoE layers are not counted)",
@@ -1604,7 +1662,7 @@ TYPO_CUTOFF = 0.8  # difflib ratio: expert_model_paralel_size is 0.98 from its f
 
 def _known_keys() -> List[str]:
     return sorted(set(ARGS) | set(YAML_ALIASES) | set(BOOL_KEYS) | set(DEPRECATED_SMS)
-                  | {"params_dtype"})  # fmt: skip
+                  | {"params_dtype", "num_layers_per_virtual_pipeline_stage"})  # fmt: skip
 
 
 def closest(name: str, known: Sequence[str]) -> Optional[str]:
@@ -1740,6 +1798,42 @@ def apply_deprecated(values: Dict[str, object], notes: List[str]) -> None:
         )
 
 
+ARGUMENTS = "megatron/training/arguments.py"
+LAYERS_PER_VIRTUAL_STAGE = "num_layers_per_virtual_pipeline_stage"
+
+
+def _vpp_from_layers_per_stage(values: Dict[str, object]) -> None:
+    """Megatron's ``--num-layers-per-virtual-pipeline-stage``: VPP = num_layers / PP / it,
+    exclusive of the other VPP arguments and of uneven stages (``arguments.py:894-944``)."""
+    n = values.pop(LAYERS_PER_VIRTUAL_STAGE, None)
+    if n is None:
+        return
+    _positive(LAYERS_PER_VIRTUAL_STAGE, n)
+    if any(values.get(k) is not None for k in (
+        "virtual_pipeline_model_parallel_size", "pipeline_model_parallel_layout",
+    )):  # fmt: skip
+        raise ValueError(
+            f"{LAYERS_PER_VIRTUAL_STAGE}: no more than one of it, the virtual stages per rank "
+            f"and the layout ({ARGUMENTS}:894-905)"
+        )
+    if any(values.get(k) is not None for k in (
+        "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+    )):  # fmt: skip
+        raise ValueError(
+            f"{LAYERS_PER_VIRTUAL_STAGE}: not with uneven first/last stages ({ARGUMENTS}:921-922)"
+        )
+    layers, pp = values.get("num_layers"), values.get("pipeline_model_parallel_size") or 1
+    if not isinstance(layers, int) or not isinstance(pp, int) or pp <= 0:
+        return  # the config's own checks name what is wrong
+    if layers % pp or (layers // pp) % n:
+        raise ValueError(
+            f"{LAYERS_PER_VIRTUAL_STAGE}: {n} does not divide the {layers} layers' share of "
+            f"each of the {pp} pipeline stages ({ARGUMENTS}:933-938)"
+        )
+    vpp = layers // pp // n
+    values["virtual_pipeline_model_parallel_size"] = vpp if vpp > 1 else None
+
+
 RANKS_ENV = "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"
 
 
@@ -1826,6 +1920,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "the YAML's bf16, fp16 or params_dtype says otherwise)")  # fmt: skip
     opt.add_argument("--fp16", action="store_true", default=None,
                      help="16-bit activations, as --bf16 (default off)")  # fmt: skip
+    opt.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, metavar="INT",
+                     dest=LAYERS_PER_VIRTUAL_STAGE, default=None,
+                     help="layers per virtual pipeline stage: VPP = layers / PP / this "
+                     "(default: none)")  # fmt: skip
     opt.add_argument("--sequence-parallel", action="store_true", default=None,
                      help="sequence parallelism: tokens split over TP too (default: assumed on, "
                      "with a note when TP > 1; the YAML's sequence_parallel: false turns it "
@@ -1868,6 +1966,8 @@ def config_from_args(
         values["moe_ncclep_zero_copy"] = True
     if args.sequence_parallel:
         values["sequence_parallel"] = True
+    if getattr(args, LAYERS_PER_VIRTUAL_STAGE) is not None:
+        values[LAYERS_PER_VIRTUAL_STAGE] = getattr(args, LAYERS_PER_VIRTUAL_STAGE)
     _check_types(values)
     tp = values.get("tensor_model_parallel_size")
     if "sequence_parallel" not in values and isinstance(tp, int) and tp > 1:
@@ -1878,6 +1978,7 @@ def config_from_args(
                 ":560-565)"
             )
     apply_deprecated(values, notes)
+    _vpp_from_layers_per_stage(values)
     _ranks_per_node_from_env(values, notes)
     if args.bf16 or args.fp16:
         values["bf16"] = True

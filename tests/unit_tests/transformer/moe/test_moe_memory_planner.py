@@ -1323,3 +1323,111 @@ def test_bridge_yaml_shapes(tmp_path, capsys):
         assert data["config"]["bf16"] is bf16, dtype
     line = _one_line_exit_2(capsys, ["--config-file", _yaml(tmp_path, "modle:\n" + body)])
     assert "unknown section 'modle'; the closest known is 'model'" in line
+
+
+PIPE = ["--hidden-size", 64, "--num-experts", 8, "--moe-router-topk", 2, "--seq-length", 64]
+
+
+@pytest.mark.parametrize(
+    "args,per_rank",
+    [
+        # 61 layers on PP 4, 13 first and 12 last: the middle two get 18 each. Dense 0-2:
+        # rank 0 holds 0-12 (10 MoE), ranks 1, 2 13-30 and 31-48, rank 3 49-60.
+        (["--num-layers", 61, "--pipeline-model-parallel-size", 4, "--moe-layer-freq",
+          "([0]*3+[1]*58)", "--decoder-first-pipeline-num-layers", 13,
+          "--decoder-last-pipeline-num-layers", 12], [10, 18, 18, 12]),
+        # 60 layers, PP 4 x VPP 2, 12 first and last: virtual stages of 6, 9, 9, 6 layers in
+        # order [0,6) [6,15) [15,24) [24,30) [30,36) ...; every 2nd layer MoE.
+        (["--num-layers", 60, "--pipeline-model-parallel-size", 4, "--moe-layer-freq", 2,
+          "--num-virtual-stages-per-pipeline-rank", 2, "--decoder-first-pipeline-num-layers",
+          12, "--decoder-last-pipeline-num-layers", 12], [6, 10, 8, 6]),
+    ],
+)  # fmt: skip
+def test_uneven_first_and_last_pipeline_stages(args, per_rank, capsys):
+    """num_layers_in_first/last_pipeline_stage (--decoder-first/last-pipeline-num-layers) place
+    the layers as megatron's get_transformer_layer_offset does; the MoE layers of each rank
+    are counted by hand above."""
+    data, _ = _plan_json(capsys, PIPE + args)
+    assert data["derived"]["moe_layers_per_pipeline_rank"] == per_rank
+    assert data["derived"]["moe_layers_per_rank"] == max(per_rank)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--num-layers", 60, "--pipeline-model-parallel-size", 4,
+          "--num-virtual-stages-per-pipeline-rank", 2, "--decoder-first-pipeline-num-layers",
+          13], "--decoder-first-pipeline-num-layers: 13 does not divide into 2 virtual stages "
+         "(megatron/core/transformer/transformer_config.py:2000-2011)"),
+        (["--num-layers", 61, "--pipeline-model-parallel-size", 3,
+          "--decoder-first-pipeline-num-layers", 30, "--decoder-last-pipeline-num-layers", 31],
+         "0 middle layers for 1 middle stages (megatron/core/transformer/"
+         "transformer_config.py:2035-2039)"),
+        (["--num-layers", 61, "--pipeline-model-parallel-size", 4,
+          "--decoder-first-pipeline-num-layers", 14],
+         "47 middle layers do not divide over 3 middle stages"),
+        (["--num-layers", 61, "--pipeline-model-parallel-size", 4,
+          "--decoder-first-pipeline-num-layers", 5, "--pipeline-model-parallel-layout",
+          V3_LAYOUT], "cannot be set with num_layers_in_first/last_pipeline_stage"),
+    ],
+)  # fmt: skip
+def test_an_uneven_split_megatron_refuses_is_one_line(args, message, capsys):
+    line = _one_line_exit_2(capsys, PIPE + args)
+    assert message in line, line
+
+
+# megatron-core 0.19.2 lines the planner cites, and what each holds.
+MEGATRON_CITED = [
+    ("core/transformer/transformer_config.py", "1616-1635", "_deprecated_num_sms"),
+    ("core/transformer/transformer_config.py", "1630-1634", "Conflicting deprecated SM-count"),
+    ("core/transformer/transformer_config.py", "1589-1598", "moe_enable_deepep is deprecated"),
+    ("core/transformer/transformer_config.py", "1590-1591", "only supported with flex token"),
+    ("core/transformer/transformer_config.py", "1592-1593", "Only one backend is supported"),
+    ("core/transformer/transformer_config.py", "1835-1846", '"moe" not in self.recompute_mod'),
+    ("core/transformer/transformer_config.py", "1840-1843", "with full recompute granularity"),
+    ("core/transformer/transformer_config.py", "1939-1953", "cannot be set"),
+    ("core/transformer/transformer_config.py", "1973-1979", "conflicts with"),
+    ("core/transformer/transformer_config.py", "2000-2011", "number of layers at first stage"),
+    ("core/transformer/transformer_config.py", "2019-2030", "number of layers at last stage"),
+    ("core/transformer/transformer_config.py", "2035-2039", "middle PP stages available"),
+    ("core/transformer/transformer_config.py", "2043-2062", "number of layers at middle stage"),
+    ("core/model_parallel_config.py", "560-565", "sequence parallelism must be used"),
+    ("core/models/gpt/gpt_layer_specs.py", "653", "len(moe_layer_pattern) == config.num_layers"),
+    ("core/transformer/pipeline_parallel_layer_layout.py", "40-44", "% pipeline_model_parallel"),
+    ("core/transformer/pipeline_parallel_layer_layout.py", "106-109", "must match num_layers"),
+    ("core/transformer/moe/token_dispatcher.py", "1279", "set_deepep_num_sms("),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path,lines,holds", MEGATRON_CITED)
+def test_the_cited_megatron_lines_say_what_the_planner_says(path, lines, holds, base_tree):
+    """Each megatron-core line the planner cites (in its refusals and notes) holds the check
+    named, in the base tree (megatron-core 0.19.2)."""
+    from pathlib import Path
+
+    text = (Path(base_tree) / "megatron" / path).read_text().splitlines()
+    first, _, last = lines.partition("-")
+    assert holds in "\n".join(text[int(first) - 1 : int(last or first)])
+    assert f":{lines}" in Path(planner.__file__).read_text()  # and the planner cites them
+
+
+def test_layers_per_virtual_stage_sets_vpp(tmp_path, capsys):
+    """--num-layers-per-virtual-pipeline-stage (a YAML's num_layers_per_virtual_pipeline_stage):
+    8 layers on PP 2 with 2 per virtual stage is VPP 2, the same split as
+    --num-virtual-stages-per-pipeline-rank 2 ([1, 2] MoE layers with every 3rd layer MoE);
+    megatron refuses it beside another VPP argument or a share it does not divide."""
+    base = PIPE + ["--num-layers", 8, "--moe-layer-freq", 3, "--pipeline-model-parallel-size", 2]
+    data, _ = _plan_json(capsys, base + ["--num-layers-per-virtual-pipeline-stage", 2])
+    assert data["config"]["virtual_pipeline_model_parallel_size"] == 2
+    assert data["derived"]["moe_layers_per_pipeline_rank"] == [1, 2]
+    line = _one_line_exit_2(capsys, base + ["--num-layers-per-virtual-pipeline-stage", 3])
+    assert "--num-layers-per-virtual-pipeline-stage: 3 does not divide" in line
+    assert "megatron/training/arguments.py:933-938" in line
+    both = [
+        "--num-layers-per-virtual-pipeline-stage",
+        2,
+        "--num-virtual-stages-per-pipeline-rank",
+        2,
+    ]
+    line = _one_line_exit_2(capsys, base + both)
+    assert "arguments.py:894-905" in line
