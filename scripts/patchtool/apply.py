@@ -91,6 +91,7 @@ class Checkout:
     path: Path
     objects: Path  # its object directory, which the scratch repository borrows
     bare: bool
+    names: tuple[Checkout, ...] = ()  # where names (branches, tags) are looked up instead
 
     def run(self, *args: str, input: Optional[bytes] = None) -> subprocess.CompletedProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
@@ -108,6 +109,13 @@ class Checkout:
 
     def has(self, rev: str) -> Optional[str]:
         """The commit ``rev`` names in the checkout (None: it has none)."""
+        for where in self.names:
+            commit = where.has(rev)
+            if commit and self._has(commit):
+                return commit
+        return self._has(rev)
+
+    def _has(self, rev: str) -> Optional[str]:
         done = self.run("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
         return done.stdout.decode().strip() if done.returncode == 0 else None
 
@@ -169,6 +177,26 @@ def open_checkout(path: Path) -> Checkout:
     return Checkout(path, (common_dir / "objects").resolve(), bare == "true")
 
 
+def history(co: Checkout, mirror: Optional[Path], tmp: Path) -> Checkout:
+    """Where the ancestry is read: the checkout or, where a Megatron-LM git mirror is
+    configured (``--mirror``, ``$MOE_RELEASE_MEGATRON_LM``), a scratch repository that sees
+    both object stores, and their branches and tags (the checkout's first), so that a checkout
+    which has not fetched the stored bases since its pin still finds them."""
+    if mirror is None or not mirror.is_dir():
+        return co
+    try:
+        other = open_checkout(mirror)
+    except UserError:
+        return co  # an extracted archive: files for the bases, no history
+    if other.objects == co.objects:
+        return co
+    path = tmp / "history.git"
+    path.mkdir()
+    git(path, "init", "--quiet", "--bare")
+    (path / "objects" / "info" / "alternates").write_text(f"{co.objects}\n{other.objects}\n")
+    return Checkout(path, path / "objects", True, (co, other))
+
+
 def check_clean(co: Checkout) -> None:
     """Refuse a work tree with uncommitted changes to tracked files."""
     if co.bare:
@@ -192,6 +220,7 @@ class Choice:
     anchor: str  # the commit in the checkout that stands for the base
     why: str
     candidates: list[str]  # the other stored bases, nearest first, with their distances
+    missing: list[str]  # the stored bases the checkout has no commit for
     root: Path = REPO_ROOT
 
     @property
@@ -207,28 +236,33 @@ def _line_kind(base: Base) -> str:
     return base.branch if base.branch in ("main", "dev") else "release"
 
 
-def _anchors(co: Checkout, root: Path) -> list[tuple[Base, str, str]]:
-    """Per pinned base with a series: the commit standing for it in the checkout, and how."""
-    out = []
+def _anchors(co: Checkout, root: Path) -> tuple[list[tuple[Base, str, str]], list[str]]:
+    """Per pinned base with a series: the commit standing for it in the checkout, and how;
+    and the bases it has no commit for."""
+    out, missing = [], []
     for base in load_pins(root / "patches" / "pins.toml").bases.values():
         if not (base.series_dir(root) / "series").exists():
             continue
+        missing.append(base.name)
         if base.is_commit:
             commit = co.has(base.commit)
             if commit:
                 out.append((base, commit, f"{base.branch} {base.commit[:12]}"))
+                missing.pop()
             continue
         commit = co.has(f"refs/tags/{base.tag}")
         if commit:
             out.append((base, commit, f"tag {base.tag}"))
+            missing.pop()
             continue
         if Path(base.series).name in (base.branch, "patches"):  # the branch's own series
             for ref in (f"refs/heads/{base.branch}", f"refs/remotes/origin/{base.branch}"):
                 commit = co.has(ref)
                 if commit:
                     out.append((base, commit, f"{ref} (tag {base.tag} not in the checkout)"))
+                    missing.pop()
                     break
-    return out
+    return out, missing
 
 
 def choose_series(
@@ -245,7 +279,7 @@ def choose_series(
     if co.date(ref) < SERIES_START:
         raise UserError(f"{co.describe(ref)} is older than every series (the oldest line, "
                         f"core_r0.16.0, starts {SERIES_START}); use a newer commit")  # fmt: skip
-    anchors = _anchors(co, root)
+    anchors, missing = _anchors(co, root)
     if not anchors:
         raise UserError(f"{co.path}: holds none of the stored bases (main and dev commits, "
                         "release tags): git fetch origin --tags main dev")  # fmt: skip
@@ -302,7 +336,7 @@ def choose_series(
     if total:
         why += f" (merge-base {co.out('merge-base', ref, anchor)[:12]})"
     others = [f"{b.name} ({n} lines, {t} commits)" for n, t, b, *_ in ranked[1:]]
-    return Choice(base, lbase.branch, anchor, why, others, root)
+    return Choice(base, lbase.branch, anchor, why, others, missing, root)
 
 
 # ----------------------------------------------------------------------------- the merge
@@ -617,6 +651,9 @@ def report_lines(co: Checkout, result: ApplyResult) -> list[str]:
     ]
     if choice.candidates:
         out.append(f"  farther: {', '.join(choice.candidates)}")
+    if choice.missing:
+        out.append(f"  not in the checkout (git fetch origin --tags main dev, or --mirror): "
+                   f"{', '.join(choice.missing)}")  # fmt: skip
     for o in result.outcomes:
         note = f" ({o.note})" if o.note else ""
         out.append(f"  {o.verdict:30} {o.patch}{note}")
@@ -687,7 +724,10 @@ def run_record(
     done = co.has(resolved)
     if done is None:
         raise UserError(f"{checkout}: unknown ref {resolved!r} (--record)")
-    choice, words = record_resolutions(co, commit, done, mirror, root or REPO_ROOT, series_name)
+    with tempfile.TemporaryDirectory(prefix="moe-apply-") as tmp:
+        hist = history(co, mirror, Path(tmp))
+        choice, words = record_resolutions(hist, commit, done, mirror, root or REPO_ROOT,
+                                           series_name)  # fmt: skip
     where = choice.series_dir / APPLY_DIR / commit[:12]
     head = f"resolutions of {choice.base.series} at {commit[:12]} from {resolved}: {where}"
     return [head] + (words or ["unchanged"])
@@ -727,7 +767,8 @@ def run_apply(
     done: list[str] = []
     with tempfile.TemporaryDirectory(prefix="moe-apply-") as tmp:
         scratch = Path(tmp) / "scratch.git"
-        result = apply_series(co, commit, scratch, mirror, root, series_name)
+        result = apply_series(history(co, mirror, Path(tmp)), commit, scratch, mirror, root,
+                              series_name)  # fmt: skip
         if not result.ok or dry_run:
             return co, result, ["(dry run: nothing written)"] if dry_run and result.ok else []
         if result.commit is None:

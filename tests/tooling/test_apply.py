@@ -25,6 +25,7 @@ from patchtool.apply import (
 from patchtool.common import UserError
 from patchtool.git import format_patches, git, git_env
 from patchtool.port import Resolution, file_diff, has_markers, merge_file
+from patchtool.source import CHECKOUT_ENV
 
 MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
 TD = "megatron/core/transformer/moe/token_dispatcher.py"
@@ -196,6 +197,7 @@ def mlm(tmp_path, repo, monkeypatch):
             (sdir / name).write_bytes(data)
     (repo / "patches" / "pins.toml").write_text(pins)
     monkeypatch.setattr(apply_mod, "REPO_ROOT", repo)
+    monkeypatch.delenv(CHECKOUT_ENV, raising=False)  # the real mirror is no --mirror here
     return m, c, repo
 
 
@@ -353,6 +355,27 @@ def test_a_file_moved_since_the_base_is_merged_where_REF_has_it(mlm):
     branch = f"moe-release/{c[6][:12]}"
     assert RELEASE in _git(m, "show", f"{branch}:{TD_MOVED}") + "\n"
     assert _git(m, "diff", "--name-only", c[6], branch).split() == sorted([PS, TD_MOVED])
+
+
+def test_a_stale_clone_finds_the_bases_in_the_mirror(mlm, tmp_path):
+    """A clone that has not fetched main's and dev's bases (here: the feature branch only)
+    is told so; with --mirror the ancestry and the base's files come from the mirror too, and
+    the branch made in the clone is the one a full clone gets."""
+    m, c, repo = mlm
+    stale = tmp_path / "stale"
+    _git(tmp_path, "clone", "--quiet", "--single-branch", "--branch", "feature",
+         f"file://{m}", str(stale))  # fmt: skip
+    with pytest.raises(UserError, match="holds none of the stored bases"):
+        run_apply(stale, c[4], root=repo, dry_run=True)
+    before = _snapshot(stale)
+    _, result, _ = run_apply(stale, c[4], root=repo, mirror=m)
+    assert result.ok and result.choice.base.name == f"main-{c['B'][:7]}"
+    assert not {f"main-{c['B'][:7]}", f"dev-{c['D'][:7]}"} & set(result.choice.missing)
+    after = _snapshot(stale)
+    assert after[1:] == before[1:]
+    _apply(m, c[4], repo)
+    branch = f"moe-release/{c[4][:12]}"
+    assert _git(stale, "rev-parse", branch) == _git(m, "rev-parse", branch)
 
 
 def test_a_dev_commit_takes_the_dev_series(mlm):
