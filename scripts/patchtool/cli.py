@@ -457,8 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--mirror",
         metavar="CHECKOUT",
         default=os.environ.get("MOE_RELEASE_MEGATRON_LM"),
-        help="where main/dev bases' files are read when CHECKOUT lacks the pinned commit "
-        "(default: $MOE_RELEASE_MEGATRON_LM)",
+        help="a Megatron-LM git mirror whose history and bases' files count too, for a "
+        "CHECKOUT that has not fetched the stored bases (default: $MOE_RELEASE_MEGATRON_LM)",
     )
     p.set_defaults(func=_cmd_apply)
     p = sub.add_parser(
