@@ -833,6 +833,8 @@ class MoEMemoryConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None
     num_layers_in_first_pipeline_stage: Optional[int] = None
     num_layers_in_last_pipeline_stage: Optional[int] = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
     pipeline_model_parallel_layout: Union[None, str, Tuple[Tuple[str, ...], ...]] = None
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None
@@ -911,7 +913,12 @@ class MoEMemoryConfig:
         factor = self.moe_expert_rank_capacity_factor
         if factor is not None and not (_real(factor) and factor > 0):
             raise ValueError(f"moe_expert_rank_capacity_factor: must be positive, got {factor!r}")
-        for name in ("bf16", "moe_ncclep_zero_copy"):
+        for name in (
+            "bf16",
+            "moe_ncclep_zero_copy",
+            "account_for_embedding_in_pipeline_split",
+            "account_for_loss_in_pipeline_split",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         modules = self.recompute_modules
@@ -999,11 +1006,20 @@ class MoEMemoryConfig:
                 f"pipeline_model_parallel_size: {pp * (vpp or 1):,} pipeline stages (PP x VPP) "
                 "are more than any model has layers"
             )
+        emb, loss = (
+            self.account_for_embedding_in_pipeline_split,
+            self.account_for_loss_in_pipeline_split,
+        )
+        if (emb or loss) and (first is not None or last is not None):
+            raise ValueError(
+                "account_for_embedding_in_pipeline_split: not with num_layers_in_first/last_"
+                f"pipeline_stage ({TRANSFORMER_CONFIG}:1923-1932)"
+            )
         if layout is not None:
-            if first is not None or last is not None:
+            if first is not None or last is not None or emb or loss:
                 raise ValueError(
                     "pipeline_model_parallel_layout: cannot be set with num_layers_in_first/last_"
-                    f"pipeline_stage ({TRANSFORMER_CONFIG}:1939-1953)"
+                    f"pipeline_stage or account_for_* ({TRANSFORMER_CONFIG}:1939-1953)"
                 )
             where = "megatron/core/transformer/pipeline_parallel_layer_layout.py"
             if len(layout) % pp:
@@ -1025,10 +1041,17 @@ class MoEMemoryConfig:
             return
         if first is None and last is None:
             stages = pp * (vpp or 1)
-            if self.num_layers % stages:
+            total = self.num_layers + emb + loss  # the embedding and loss as layers
+            if total % stages:
                 raise ValueError(
                     "pipeline_model_parallel_size: must divide num_layers"
+                    + (" + the embedding/loss layers" if emb or loss else "")
                     + (f" (x {vpp} virtual stages)" if vpp else "")
+                )
+            if total // stages == 0 and emb + loss > 0:
+                raise ValueError(
+                    "account_for_embedding_in_pipeline_split: a stage would hold fewer than 0 "
+                    "layers (megatron/core/transformer/transformer_block.py:185-196)"
                 )
             return
         middle, middle_stages = self.num_layers, pp
@@ -1065,7 +1088,12 @@ class MoEMemoryConfig:
             self.num_layers_in_last_pipeline_stage,
         )
         if first is None and last is None:
-            return [self.num_layers // (pp * vpp)] * (pp * vpp)
+            emb = self.account_for_embedding_in_pipeline_split
+            loss = self.account_for_loss_in_pipeline_split
+            counts = [(self.num_layers + emb + loss) // (pp * vpp)] * (pp * vpp)
+            counts[0] -= emb  # the first stage's first layer is the embedding
+            counts[-1] -= loss  # the last stage's last, the loss
+            return counts
         middle_stages = pp - (first is not None) - (last is not None)
         middle = self.num_layers - (first or 0) - (last or 0)
         per_rank = [middle // middle_stages if middle_stages > 0 else 0] * pp
@@ -1625,7 +1653,8 @@ INT_FIELDS = {
 FLOAT_FIELDS = ("routed_rows_factor", "moe_expert_rank_capacity_factor")
 BOOL_KEYS = (
     "bf16", "fp16", "moe_ncclep_zero_copy", "moe_enable_deepep", "moe_layer_recompute",
-    "sequence_parallel",
+    "sequence_parallel", "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
 )  # fmt: skip
 # Megatron's argument names for TransformerConfig fields (arguments.py).
 YAML_ALIASES = {
@@ -1651,8 +1680,6 @@ MEGATRON_NEIGHBOURS = frozenset({
 NOT_MODELLED = {
     "moe_expert_capacity_factor": "capacity-factor routing (the plan is dropless)",
     "moe_pad_expert_input_to_capacity": "capacity-factor routing (the plan is dropless)",
-    "account_for_embedding_in_pipeline_split": "the embedding as a stage's layer",
-    "account_for_loss_in_pipeline_split": "the loss as a stage's layer",
     "mtp_num_layers": "multi-token-prediction layers (their MoE layers are not counted)",
     "moe_router_padding_for_fp8": "rows padded per expert for FP8 (routed rows are unpadded)",
     "moe_router_padding_for_quantization": "rows padded per expert (routed rows are unpadded)",
@@ -1924,6 +1951,10 @@ def build_parser() -> argparse.ArgumentParser:
                      dest=LAYERS_PER_VIRTUAL_STAGE, default=None,
                      help="layers per virtual pipeline stage: VPP = layers / PP / this "
                      "(default: none)")  # fmt: skip
+    for flag, name in (("--account-for-embedding-in-pipeline-split", "embedding"),
+                       ("--account-for-loss-in-pipeline-split", "loss")):  # fmt: skip
+        help_text = f"the {name} counts as a layer of the pipeline split (default off)"
+        opt.add_argument(flag, action="store_true", default=None, help=help_text)
     opt.add_argument("--sequence-parallel", action="store_true", default=None,
                      help="sequence parallelism: tokens split over TP too (default: assumed on, "
                      "with a note when TP > 1; the YAML's sequence_parallel: false turns it "
@@ -1964,8 +1995,10 @@ def config_from_args(
     values.update({n: getattr(args, n) for n in ARGS if getattr(args, n) is not None})
     if args.moe_ncclep_zero_copy:
         values["moe_ncclep_zero_copy"] = True
-    if args.sequence_parallel:
-        values["sequence_parallel"] = True
+    for name in ("sequence_parallel", "account_for_embedding_in_pipeline_split",
+                 "account_for_loss_in_pipeline_split"):  # fmt: skip
+        if getattr(args, name):
+            values[name] = True
     if getattr(args, LAYERS_PER_VIRTUAL_STAGE) is not None:
         values[LAYERS_PER_VIRTUAL_STAGE] = getattr(args, LAYERS_PER_VIRTUAL_STAGE)
     _check_types(values)

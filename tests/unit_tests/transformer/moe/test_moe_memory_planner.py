@@ -1385,7 +1385,9 @@ MEGATRON_CITED = [
     ("core/transformer/transformer_config.py", "1592-1593", "Only one backend is supported"),
     ("core/transformer/transformer_config.py", "1835-1846", '"moe" not in self.recompute_mod'),
     ("core/transformer/transformer_config.py", "1840-1843", "with full recompute granularity"),
+    ("core/transformer/transformer_config.py", "1923-1932", "cannot be"),
     ("core/transformer/transformer_config.py", "1939-1953", "cannot be set"),
+    ("core/transformer/transformer_block.py", "185-196", "Not enough layers in the first"),
     ("core/transformer/transformer_config.py", "1973-1979", "conflicts with"),
     ("core/transformer/transformer_config.py", "2000-2011", "number of layers at first stage"),
     ("core/transformer/transformer_config.py", "2019-2030", "number of layers at last stage"),
@@ -1431,3 +1433,25 @@ def test_layers_per_virtual_stage_sets_vpp(tmp_path, capsys):
     ]
     line = _one_line_exit_2(capsys, base + both)
     assert "arguments.py:894-905" in line
+
+
+def test_embedding_and_loss_in_the_pipeline_split(tmp_path, capsys):
+    """account_for_embedding/loss_in_pipeline_split: 7 layers + the embedding + the loss are 9
+    on PP 3, three per stage: the first and last stages build 2 decoder layers, the middle 3
+    (transformer_block.py get_num_layers_to_build); without them 7 do not divide over 3. With
+    uneven first/last stages megatron refuses them."""
+    base = PIPE + ["--num-layers", 7, "--pipeline-model-parallel-size", 3]
+    line = _one_line_exit_2(capsys, base)
+    assert "--pipeline-model-parallel-size: must divide num_layers" in line
+    flags = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+    data, _ = _plan_json(capsys, base + flags)
+    assert data["derived"]["moe_layers_per_pipeline_rank"] == [2, 3, 2]
+    path = _yaml(tmp_path, "model:\n  hidden_size: 64\n  num_moe_experts: 8\n"
+                 "  moe_router_topk: 2\n  seq_length: 64\n  num_layers: 7\n"
+                 "  pipeline_model_parallel_size: 3\n"
+                 "  account_for_embedding_in_pipeline_split: true\n"
+                 "  account_for_loss_in_pipeline_split: true\n")  # fmt: skip
+    data, _ = _plan_json(capsys, ["--config-file", path])
+    assert data["derived"]["moe_layers_per_pipeline_rank"] == [2, 3, 2]
+    line = _one_line_exit_2(capsys, base + flags + ["--decoder-first-pipeline-num-layers", 1])
+    assert "transformer_config.py:1923-1932" in line
