@@ -17,7 +17,10 @@ Planners (an admission check, a memory estimator) need two numbers that neither
 
 :func:`plan` puts the terms of a configuration together, base beside patched; :func:`main`
 is the command (``python -m megatron.core.transformer.moe.moe_memory_planner``), taking
-Megatron's own argument names or a Megatron-Bridge style YAML.
+Megatron's own argument names or a Megatron-Bridge style YAML. Its input is strict: a key or
+flag within typo distance of a known one, a value of the wrong kind, or a configuration the
+kernels or megatron refuse is one line naming it (and the refusing source line), exit status 2;
+deprecated fields megatron still accepts are read, with a note.
 
 Sources. deep_ep is read at ``DEEP_EP_COMMIT``, the head of its ``hybrid-ep`` branch; the commit
 megatron-core's CI pins (``de0dd11``) was not available to read, so where the two differ these
@@ -36,7 +39,9 @@ communicators, DeepEP's low-latency mode, NCCL EP's leaked device communicator (
 per bootstrap), and (for the retained state) capacity-factor routing (drop-and-pad keeps other
 shapes) and the DeepEP v2 and NCCL EP backends, whose buffers are priced
 (:func:`deepep_v2_buffer_terms` at ``DEEP_EP_V2_COMMIT``, :func:`nccl_ep_terms` at
-``NCCL_EP_COMMIT``) but whose retained state is not.
+``NCCL_EP_COMMIT``) but whose retained state is not. Nor are the MoE layers of MTP, the
+per-expert padding of routed rows for FP8, or the kernels' limits that depend on the device
+(its SM count, shared memory); the command notes such fields when they are set.
 
 Imports only the standard library.
 """
@@ -236,10 +241,6 @@ def env_chunk(kind: str) -> int:
     return value
 
 
-def _env_chunk(name: str) -> int:
-    return env_chunk({v: k for k, v in CHUNK_ENV.items()}[name])
-
-
 # --------------------------------------------------------------------------------------------
 # HybridEP
 
@@ -249,7 +250,7 @@ def hybridep_rows(first_tokens: int, chunk_combine: Optional[int] = None) -> int
     least 512, rounded up to the combine chunk (``NUM_OF_TOKENS_PER_CHUNK_COMBINE_API``,
     default 64): ``csrc/hybrid_ep/config.cuh:384-387``. megatron-core builds the buffer at its
     first dispatch from that call's tokens (``fused_a2a.py`` ``init_hybrid_ep_buffer``)."""
-    chunk = chunk_combine or _env_chunk("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API")
+    chunk = chunk_combine or env_chunk("combine")
     return _up(max(first_tokens, MIN_ROWS), chunk)
 
 
@@ -259,7 +260,7 @@ def hybridep_rows_after(rows: int, tokens: int, chunk_combine: Optional[int] = N
     (``config.cuh:466-468``), and the buffer grows to that if larger (``config.cuh:557-559``;
     ``hybrid_ep.cu:109-133`` frees the old buffer, then allocates the new one). Rows never
     shrink."""
-    chunk = chunk_combine or _env_chunk("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API")
+    chunk = chunk_combine or env_chunk("combine")
     return max(rows, _up(_up(tokens, 16), chunk))
 
 
