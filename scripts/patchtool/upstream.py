@@ -37,26 +37,30 @@ VARIANTS_DIR = REPO_ROOT / "patches" / "upstream"
 # Release branches: the backport series of the pinned base whose `branch` this is.
 BACKPORT_TARGETS = ("core_r0.18.0", "core_r0.17.0", "core_r0.16.0")
 OVERLAY_TRAILERS = ("Forwarded", "Applied-Upstream", "Origin", "Backport-Of", "Signed-off-by")
-# Upstream takes one PR per code-owner area: the dispatcher-state release (token_dispatcher.py),
-# the A2A-overlap state (the 1F1B schedule plan and its nodes) and the communication-buffer
-# lifecycle (fused_a2a.py, parallel_state.py); the CPU-import fix is its own. ``memory`` is the
-# first three as one series, in series order. A topic is chosen by the primary subject's words.
+# Upstream takes one PR per code-owner area and topic: the dispatcher-state release
+# (token_dispatcher.py), the A2A-overlap state (the 1F1B schedule plan and its nodes), HybridEP's
+# buffer per process group and the communication-buffer lifecycle (fused_a2a.py,
+# parallel_state.py); the CPU-import fix is its own. ``memory`` is the memory PRs as one series,
+# in series order. A topic is chosen by the primary subject's words.
 PR_TOPICS = {
     "dispatcher-state": ("dispatcher state after combine",),
     "a2a-overlap": ("A2A overlap: ",),
+    "hybridep-groups": ("HybridEP buffer per",),
     "comm-buffers": (
         "HybridEP and DeepEP buffers",
-        "HybridEP buffer per",
         "DeepEP buffer explicitly",
         "NCCL EP's context",
     ),
 }
+# A PR built on another one, which must merge first: its diffs are made on top of that PR's.
+TOPIC_DEPENDS = {"comm-buffers": ("hybridep-groups",)}
 TOPICS = ("memory", *PR_TOPICS, "cpu-import")
 # The upstream-layout tests each PR adds (files under patches/upstream/tests, by their name), and
 # the message of the patch that adds them: patches/upstream/tests-message-<topic>.txt.
 TOPIC_TESTS = {
     "dispatcher-state": ("test_token_dispatcher_state_release.py",),
     "a2a-overlap": ("test_schedule_state_release.py",),
+    "hybridep-groups": ("test_hybrid_ep_buffer_per_group.py",),
     "comm-buffers": ("test_fused_a2a_release_comm_buffers.py",),
     "cpu-import": ("test_paged_stash_import.py", "test_router_gating_without_te.py"),
 }
@@ -91,6 +95,9 @@ CPU_IMPORT_UPSTREAM = "let megatron.core.pipeline_parallel import where Triton i
 CPU_IMPORT_UPSTREAM_ON = {
     "core_r0.16.0": "fix(moe): let the MoE router run where Transformer Engine is absent"
 }
+# Words of a series subject that the export to a branch says otherwise (dev's NCCL EP manager has
+# no zero-copy buffers; the variant's subject, and so its file name, is the primary's).
+SUBJECT_ON = {"dev": (("NCCL EP's context and zero-copy buffers", "NCCL EP's context"),)}
 # The PR title of a topic with several commits.
 PR_TITLES = {
     "dispatcher-state": "release the MoE dispatchers' per-forward state after combine",
@@ -155,8 +162,11 @@ def upstream_subject(subject: str) -> str:
 def export_subject(subject: str, target: str) -> str:
     """A series subject as the export to ``target`` writes it: :func:`upstream_subject`, with
     one colon after the type (``A2A overlap: drop x`` -> ``drop x in the A2A overlap``, also
-    inside a backport's ``cp: `...```) and the CPU-import fix under its upstream name."""
+    inside a backport's ``cp: `...```), the CPU-import fix under its upstream name, and the
+    words :data:`SUBJECT_ON` changes for ``target``."""
     text = upstream_subject(subject)
+    for old, new in SUBJECT_ON.get(target, ()):
+        text = text.replace(old, new)
     if CPU_IMPORT_TITLE in subject:
         if target in CPU_IMPORT_UPSTREAM_ON:
             return CPU_IMPORT_UPSTREAM_ON[target]
@@ -208,7 +218,7 @@ def patch_topic(patch: Patch) -> str:
 
 def topic_series(series: list[tuple[str, bytes]], topic: str) -> list[tuple[str, bytes]]:
     """The patches of one upstream PR (a key of :data:`PR_TOPICS`, or ``cpu-import``), or of
-    ``memory``: the three PRs' patches together."""
+    ``memory``: the memory PRs' patches together."""
     if topic not in TOPICS:
         raise UserError(f"unknown topic {topic!r} (one of {', '.join(TOPICS)})")
     out = []
@@ -300,7 +310,7 @@ def new_files_diff(files: dict[str, bytes]) -> bytes:
 
 
 def topic_test_files(topic: str, root: Path = REPO_ROOT) -> dict[str, bytes]:
-    """The upstream-layout test files ``topic`` adds (for ``memory``, those of its three PRs);
+    """The upstream-layout test files ``topic`` adds (for ``memory``, those of its PRs);
     a file :data:`TOPIC_TESTS` names that does not exist is an error."""
     files = upstream_test_files(root)
     if topic == "memory":
@@ -334,9 +344,9 @@ TEST_SHIMS = [
         _SPEC_IMPORT
         + "from megatron.core.transformer.transformer_config import TransformerConfig\n",
     ),
-    ("test_fused_a2a_release_comm_buffers.py", ("core_r0.16.0",), _SPEC_SHIM, ""),
+    ("test_hybrid_ep_buffer_per_group.py", ("core_r0.16.0",), _SPEC_SHIM, ""),
     (
-        "test_fused_a2a_release_comm_buffers.py", ("core_r0.16.0",),
+        "test_hybrid_ep_buffer_per_group.py", ("core_r0.16.0",),
         "from megatron.core.transformer.transformer_config import TransformerConfig\n",
         _SPEC_IMPORT
         + "from megatron.core.transformer.transformer_config import TransformerConfig\n",
@@ -419,7 +429,7 @@ def _tests_patch(
     topic: str, series: list, root: Path = REPO_ROOT, target: Optional[str] = None
 ) -> Optional[tuple[str, str, bytes]]:
     """(subject, message, diff) of the patch adding ``topic``'s upstream-layout tests (those of
-    the three PRs for ``memory``) on a target whose topic series is ``series``, or None."""
+    the memory PRs for ``memory``) on a target whose topic series is ``series``, or None."""
     files = export_test_files(topic, series, root, target)
     if not files:
         return None
@@ -454,7 +464,9 @@ def export_upstream(
     if 0 < len(series) < len(whole):  # a topic without the patches before it: its own blobs
         base = target_base(target, root)
         if available(base):
-            series = rebase_alone(series, base, read_base_files(base))
+            # ... on top of the PRs it builds on, which merge first.
+            deps = [p for dep in TOPIC_DEPENDS.get(topic, ()) for p in topic_series(whole, dep)]
+            series = rebase_alone(deps + series, base, read_base_files(base))[len(deps) :]
         elif notes is not None:
             notes.append(
                 f"index lines name blobs of the whole series, not of {base.name} alone "
@@ -526,11 +538,17 @@ PR_SUMMARY = {
         "no-op).",
         "Related to #2236 (which moved the node's clearing to __del__).",
     ),
+    "hybridep-groups": (
+        "Keep one HybridEP buffer per process group, so that two models on different EP groups "
+        "(an RL policy and its reference model) can interleave their forwards and backwards, "
+        "each on its own group's buffer; the module global _hybrid_ep_buffer still names the "
+        "first group's buffer, as code outside megatron-core reads and assigns it.",
+        "none.",
+    ),
     "comm-buffers": (
-        "Give the flex dispatcher's communication buffers a lifecycle: one HybridEP buffer per "
-        "process group, a collective reset_fused_a2a_buffers() that destroy_model_parallel() "
-        "calls, DeepEP buffers destroyed explicitly, and NCCL EP's context and zero-copy "
-        "buffers released with them.",
+        "Give the flex dispatcher's communication buffers a lifecycle: a collective "
+        "reset_fused_a2a_buffers() that destroy_model_parallel() calls, DeepEP buffers "
+        "destroyed explicitly, and NCCL EP's context and zero-copy buffers released with them.",
         "Related to #7029 (whose reset_fused_a2a_buffers() name and teardown stage this matches).",
     ),
     "cpu-import": (
@@ -542,6 +560,13 @@ PR_SUMMARY = {
 }
 # Where a branch's change of a topic is another one (core_r0.16.0 has no paged stash).
 PR_SUMMARY_ON = {
+    ("comm-buffers", "dev"): (
+        "Give the flex dispatcher's communication buffers a lifecycle: a collective "
+        "reset_fused_a2a_buffers() that destroy_model_parallel() calls, DeepEP buffers destroyed "
+        "explicitly (DeepEP v2's ElasticBuffer too, a replaced one only once no pending "
+        "backward uses it), and NCCL EP's context released with them.",
+        "Related to #7029 (whose reset_fused_a2a_buffers() name and teardown stage this matches).",
+    ),
     ("cpu-import", "core_r0.16.0"): (
         "Let the MoE router run where Transformer Engine is absent: moe_utils.py defines "
         "te_general_gemm as None when the Transformer Engine import fails, so "
@@ -558,6 +583,10 @@ def pr_description(target: str, topic: str, series: list, root: Path = REPO_ROOT
     them, and what the change does not cover (each commit's own "Not covered", under its
     subject)."""
     summary, related = PR_SUMMARY_ON.get((topic, target), PR_SUMMARY[topic])
+    for dep in TOPIC_DEPENDS.get(topic, ()):
+        whole = target_series(target, root)
+        title = pr_title(target, dep, topic_series(whole, dep))
+        related += f" Builds on \"{title}\" (`upstream --topic {dep}`), which must merge first."
     test_files = sorted(export_test_files(topic, series, root))
     box = lambda done: "x" if done else " "  # noqa: E731
     out = [
@@ -593,14 +622,22 @@ def pr_description(target: str, topic: str, series: list, root: Path = REPO_ROOT
         out += [f"- **{export_subject(patch.subject, target)}**: " + " ".join(first.split()), ""]
         for par in patch.message.split("\n\n"):
             if par.startswith("Not covered"):
-                text = " ".join(par.split()).removeprefix("Not covered").lstrip(":").strip()
+                text = re.sub(r"^Not covered( here)?:?\s*", "", " ".join(par.split()))
                 not_covered.append(f"*{export_subject(patch.subject, target)}*: {text}")
     out += ["## Tests", ""]
     if test_files:
         out += [f"- `{p}`" for p in test_files]
-        out += ["", "```sh", "torchrun --nproc-per-node 8 -m pytest " + " ".join(test_files)]
-        out += ["```", "", "Each commit's tests fail on the commit before it and pass on it (the"]
-        out += ["flex cases need deep_ep and skip without it). No GPU run yet."]
+        if topic == "cpu-import":  # import-only tests: no GPU, no process group
+            out += ["", "```sh", "pytest " + " ".join(test_files), "```", ""]
+            out += ["They need no GPU and no process group. Each fails on the commit before the"]
+            out += ["fix and passes on it."]
+        else:
+            out += ["", "```sh", "torchrun --nproc-per-node 8 -m pytest " + " ".join(test_files)]
+            out += ["```", "", "Not yet run on GPUs: that each fails on the commit before its fix"]
+            out += ["and passes on it is unverified there. The tests need CUDA and 8 ranks (the"]
+            out += ["flex cases also deep_ep or TE's NCCL EP) and skip otherwise. Where it was"]
+            out += ["checked: on 8 CPU ranks over gloo, with CUDA and the deep_ep and NCCL EP"]
+            out += ["kernels emulated on the host (the emulation is not part of this PR)."]
     else:
         out += ["No upstream unit test in this PR yet; the commits name what was checked."]
     out += ["", "## Not covered", ""] + [f"- {n}" for n in not_covered] + [""]

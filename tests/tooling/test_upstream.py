@@ -15,6 +15,7 @@ from patchtool.source import blob_id
 from patchtool.upstream import (
     CPU_IMPORT_TITLE,
     PR_TOPICS,
+    TOPIC_DEPENDS,
     TOPIC_TESTS,
     VARIANT_TARGETS,
     check_export,
@@ -32,6 +33,14 @@ from patchtool.upstream import (
 )
 
 IDENT = ("Ada Lovelace", "ada.lovelace@users.noreply.github.com")
+
+
+def _export_with_dependencies(out: Path, topic: str) -> list[Path]:
+    """The exports of the PRs ``topic`` builds on (they merge first), then ``topic``'s."""
+    paths = []
+    for dep in TOPIC_DEPENDS.get(topic, ()):
+        paths += export_upstream("core_r0.19.0", out.parent / f"{out.name}-{dep}", IDENT, dep)
+    return paths + export_upstream("core_r0.19.0", out, IDENT, topic)
 
 
 def _git(cwd: Path, *args: str) -> None:
@@ -128,13 +137,13 @@ def test_conventional_subject(subject, expected):
 
 
 def test_topics_split_the_series(base):
-    """One PR per code-owner area, in series order; memory is the three together."""
+    """One PR per code-owner area and topic, in series order; memory is the four together."""
     series = read_series(base)
     cpu, memory = topic_series(series, "cpu-import"), topic_series(series, "memory")
     assert [parse_patch(d, n).subject for n, d in cpu] == [f"[MoE] L{CPU_IMPORT_TITLE}"]
     assert len(memory) == len(series) - 1 and cpu[0] not in memory
     prs = {t: topic_series(series, t) for t in PR_TOPICS}
-    assert [len(prs[t]) for t in PR_TOPICS] == [3, 3, 4]
+    assert [len(prs[t]) for t in PR_TOPICS] == [3, 3, 1, 3]
     assert [item for t in PR_TOPICS for item in prs[t]] == memory
     subjects = [parse_patch(d, n).subject for n, d in prs["dispatcher-state"]]
     assert all("dispatcher state after combine" in s for s in subjects), subjects
@@ -369,7 +378,7 @@ def _checkout(tmp_path: Path, base, base_files, edit=None) -> Path:
 
 @pytest.mark.parametrize("topic", ["memory", *PR_TOPICS, "cpu-import"])
 def test_check_applies_with_git_am_and_byte_compiles(tmp_path, base, base_files, topic):
-    paths = export_upstream("core_r0.19.0", tmp_path / "out", IDENT, topic)
+    paths = _export_with_dependencies(tmp_path / "out", topic)
     lines = check_export(paths, _checkout(tmp_path, base, base_files), None, IDENT)
     assert lines[0].startswith(f"{len(paths)} patches applied with git am to HEAD")
     assert "all Python ones byte-compile" in lines[1]
@@ -425,21 +434,34 @@ def test_no_test_for_a_fix_the_branch_does_not_get(tmp_path, target):
 @pytest.mark.parametrize("topic", [*PR_TOPICS, "cpu-import"])
 def test_a_topic_alone_indexes_blobs_a_checkout_has(tmp_path, base, base_files, topic):
     """Exported alone, a topic's diffs are made against the base without the series' other
-    patches: every ``index`` line's pre-image is a blob of the base or one the export's earlier
-    patches make, which ``git am -3`` needs to fall back to a 3-way merge."""
+    patches (and of the PRs it builds on, which merge first): every ``index`` line's pre-image
+    is a blob of the base or one the export's earlier patches make, which ``git am -3`` needs to
+    fall back to a 3-way merge."""
     known = {blob_id(data).hex() for data in base_files.values()} | {"0" * 40}
-    paths = export_upstream("core_r0.19.0", tmp_path / "out", IDENT, topic)
-    for path in paths:
-        for line in (tmp_path / "out" / path).read_text().splitlines():
+    for path in _export_with_dependencies(tmp_path / "out", topic):
+        for line in path.read_text().splitlines():
             if line.startswith("index "):
                 pre, post = line.split()[1].split("..")
                 assert pre in known, f"{path}: {line} names a blob of the stacked series"
                 known.add(post)
 
 
+def test_a_pr_built_on_another_says_so_and_applies_after_it(tmp_path, base, base_files):
+    """The comm-buffers PR builds on the HybridEP-per-group PR: its description names that PR
+    (to merge first), and its export applies after that one's, not alone."""
+    alone = export_upstream("core_r0.19.0", tmp_path / "alone", IDENT, "comm-buffers")
+    text = (tmp_path / "alone" / "PR.md").read_text()
+    assert 'Builds on "fix(moe): keep one HybridEP buffer per process group"' in text, text
+    with pytest.raises(UserError, match="does not apply"):
+        check_export(alone, _checkout(tmp_path, base, base_files), None, IDENT)
+    paths = _export_with_dependencies(tmp_path / "out", "comm-buffers")
+    lines = check_export(paths, _checkout(tmp_path / "second", base, base_files), None, IDENT)
+    assert lines[0].startswith(f"{len(paths)} patches applied with git am")
+
+
 def test_a_topic_alone_falls_back_to_a_3way_merge(tmp_path, base, base_files):
     """On a checkout with a local change in a hunk's context, plain ``git am`` of the
-    comm-buffers topic stops and ``git am -3`` merges it: token_dispatcher.py is a file the
+    hybridep-groups topic stops and ``git am -3`` merges it: token_dispatcher.py is a file the
     series' earlier topics change too, so an index line naming the stacked series' blob would
     leave git nothing to merge from."""
 
@@ -454,7 +476,7 @@ def test_a_topic_alone_falls_back_to_a_3way_merge(tmp_path, base, base_files):
         assert f.read_text().count(block) == 1
         f.write_text(f.read_text().replace(block, block[:-1] + "  # a local change\n"))
 
-    paths = export_upstream("core_r0.19.0", tmp_path / "out", IDENT, "comm-buffers")
+    paths = export_upstream("core_r0.19.0", tmp_path / "out", IDENT, "hybridep-groups")
     checkout = _checkout(tmp_path, base, base_files)  # the base, committed ...
     local_change(checkout)  # ... then the user's own commit on top
     _git(checkout, "-c", "user.name=x", "-c", "user.email=x@localhost", "commit", "-qam", "mine")

@@ -1,16 +1,12 @@
 # Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
 
-"""The flex dispatcher's communication buffers: one HybridEP buffer per process group, released
-collectively by fused_a2a.reset_fused_a2a_buffers(), DeepEP's destroyed explicitly, NCCL EP's
-context released with them.
+"""The flex dispatcher's communication buffers have a lifecycle: released collectively by
+fused_a2a.reset_fused_a2a_buffers(), DeepEP's destroyed explicitly, NCCL EP's context released
+with them (HybridEP's buffer per process group: test_hybrid_ep_buffer_per_group.py).
 
 The HybridEP and DeepEP buffers are module globals allocated outside PyTorch's caching
 allocator, so torch.cuda.empty_cache() cannot return their memory:
 
-* HybridEP keeps one buffer per process group, and every backward runs on its forward's buffer,
-  so two models on different EP groups (an RL policy and its reference model) can interleave;
-  the module global _hybrid_ep_buffer still names the first group's, as code outside
-  megatron-core expects.
 * reset_fused_a2a_buffers() drops them (destroy_model_parallel() calls it): after a barrier on
   every buffer's group, and not while a CUDA graph that captured a dispatch may still replay
   (unless graphs_released=True); the next dispatch re-creates the buffer it needs and gives the
@@ -23,7 +19,6 @@ allocator, so torch.cuda.empty_cache() cannot return their memory:
 """
 
 import copy
-import dataclasses
 import functools
 import gc
 import inspect
@@ -35,130 +30,32 @@ import pytest
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe import fused_a2a
-from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
-from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.test_utilities import Utils
-
-try:
-    from megatron.core.transformer.spec_utils import get_submodules
-except ImportError:  # core_r0.16.0: an MoE spec is a ModuleSpec
-    from operator import attrgetter
-
-    get_submodules = attrgetter("submodules")
-
-NUM_EXPERTS = 8
-HIDDEN_SIZE = 1024
-SEQ_LEN = 16
-MICRO_BATCH = 2
-# Two ways to split 8 ranks into EP groups of 4: parallel_state's, and a second model's.
-OTHER_EP_GROUPS = ([0, 2, 4, 6], [1, 3, 5, 7])
-
-
-def moe_submodules() -> MoESubmodules:
-    """The MoE submodules of the local (non-TE) GPT layer spec."""
-    spec = get_gpt_layer_local_spec(num_experts=NUM_EXPERTS, moe_grouped_gemm=False)
-    submodules = get_submodules(spec.submodules.mlp)
-    assert isinstance(submodules, MoESubmodules)
-    return submodules
-
-
-def _skip_unless(backend: str) -> None:
-    if backend == "deepep" and not fused_a2a.HAVE_DEEP_EP:
-        pytest.skip("Deep EP is not available")
-    if backend == "hybridep" and not fused_a2a.HAVE_HYBRIDEP:
-        pytest.skip("Hybrid EP is not available")
-    if backend == "ncclep" and not getattr(fused_a2a, "HAVE_TE_EP", False):
-        pytest.skip("NCCL EP is not available")
+from tests.unit_tests.transformer.moe.test_hybrid_ep_buffer_per_group import (
+    HIDDEN_SIZE,
+    MICRO_BATCH,
+    NUM_EXPERTS,
+    SEQ_LEN,
+    TwoEPGroups,
+    assert_bitwise_equal,
+    build_moe_layer,
+    forward_backward,
+    make_input,
+    run_forward,
+    skip_unless,
+)
 
 
 def _nccl_ep_group():
-    """The EP group NCCL EP is bootstrapped on, or None."""
-    if not getattr(fused_a2a, "HAVE_TE_EP", False) or not fused_a2a.te_ep._BOOTSTRAPPED:
+    """The EP group NCCL EP is bootstrapped on (as fused_a2a recorded it), or None. Before
+    fused_a2a recorded it, only TransformerEngine's private state says."""
+    if not getattr(fused_a2a, "HAVE_TE_EP", False):
         return None
-    return fused_a2a.te_ep._EP_GROUP
-
-
-def _build_moe_layer(backend: str, pg_collection=None, seed: int = 123) -> MoELayer:
-    """A small bf16 MoELayer with local (non-TE) experts and the flex dispatcher on ``backend``,
-    on parallel_state's groups or on ``pg_collection``'s. Every expert gets weights of its own,
-    seeded by its global index, so the result depends on which rank's experts a token reaches."""
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
-    ep_size = parallel_state.get_expert_model_parallel_world_size()
-    extra = {}
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    if backend == "ncclep" and "moe_ncclep_static_shape" in fields:
-        # Static NCCL EP shapes need a receive capacity (EP 8, top-2: twice the even share).
-        extra["moe_expert_rank_capacity_factor"] = 2.0
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=HIDDEN_SIZE,
-        num_attention_heads=4,
-        num_moe_experts=NUM_EXPERTS,
-        use_cpu_initialization=True,
-        moe_token_dispatcher_type="flex",
-        moe_flex_dispatcher_backend=backend,
-        moe_router_load_balancing_type="aux_loss",
-        moe_router_topk=2,
-        moe_aux_loss_coeff=0.01,
-        moe_router_dtype="fp32",
-        moe_grouped_gemm=False,
-        moe_ffn_hidden_size=128,
-        add_bias_linear=False,
-        expert_model_parallel_size=ep_size,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        **extra,
-    )
-    submodules = moe_submodules()
-    layer = MoELayer(config, submodules, pg_collection=pg_collection)
-    layer = layer.cuda().to(dtype=torch.bfloat16)
-    layer.set_layer_number(0)
-    with torch.no_grad():
-        for index, expert in zip(layer.local_expert_indices, layer.experts.local_experts):
-            for k, (_, param) in enumerate(sorted(expert.named_parameters())):
-                gen = torch.Generator().manual_seed(seed + 100 * index + k)
-                values = torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5
-                param.copy_(values.to(device=param.device, dtype=param.dtype))
-    return layer
-
-
-def _make_input(seed: int = 1000) -> torch.Tensor:
-    """A per-rank input."""
-    gen = torch.Generator().manual_seed(seed + torch.distributed.get_rank())
-    x = torch.randn(SEQ_LEN, MICRO_BATCH, HIDDEN_SIZE, generator=gen)
-    return x.to(device=torch.cuda.current_device(), dtype=torch.bfloat16)
-
-
-def _forward(layer: MoELayer, inp: torch.Tensor):
-    layer.zero_grad(set_to_none=True)
-    x = inp.detach().clone().requires_grad_(True)
-    output, _ = layer(x)
-    return x, output
-
-
-def _backward(layer: MoELayer, x: torch.Tensor, output: torch.Tensor) -> dict:
-    """Backward of a ``_forward``; its output, the input's and the parameters' gradients."""
-    output.backward(torch.ones_like(output))
-    grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
-    return {"out": output.detach().clone(), "x_grad": x.grad.detach().clone(), "grads": grads}
-
-
-def _forward_backward(layer: MoELayer, inp: torch.Tensor) -> dict:
-    return _backward(layer, *_forward(layer, inp))
-
-
-def _assert_bitwise_equal(actual: dict, expected: dict, what: str) -> None:
-    rank = torch.distributed.get_rank()
-    assert torch.equal(actual["out"], expected["out"]), f"rank {rank}: {what}: output differs"
-    assert torch.equal(actual["x_grad"], expected["x_grad"]), f"rank {rank}: {what}: input grad"
-    assert expected["grads"] and actual["grads"].keys() == expected["grads"].keys()
-    for name, grad in expected["grads"].items():
-        assert torch.equal(actual["grads"][name], grad), f"rank {rank}: {what}: {name}.grad"
+    if hasattr(fused_a2a, "_nccl_ep_group"):
+        return fused_a2a._nccl_ep_group if fused_a2a.is_nccl_ep_bootstrapped() else None
+    return fused_a2a.te_ep._EP_GROUP if fused_a2a.te_ep._BOOTSTRAPPED else None
 
 
 def _held_buffer(backend: str):
@@ -171,21 +68,6 @@ def _held_buffer(backend: str):
         assert len(buffers) <= 1, f"{len(buffers)} HybridEP buffers for one EP group"
         return buffers[0] if buffers else None
     return fused_a2a._buffer
-
-
-def _release_buffers() -> None:
-    """Teardown on any tree: release the buffers, or where reset_fused_a2a_buffers() does not
-    exist yet, synchronize and drop the references."""
-    reset = getattr(fused_a2a, "reset_fused_a2a_buffers", None)
-    if reset is not None:
-        reset(graphs_released=True)
-        return
-    torch.cuda.synchronize()
-    torch.distributed.barrier()
-    fused_a2a.reset_hybrid_ep_buffer()
-    fused_a2a._buffer = None
-    if hasattr(fused_a2a, "nccl_ep_finalize"):
-        fused_a2a.nccl_ep_finalize()
 
 
 class _CapturingCuda:
@@ -245,31 +127,7 @@ def test_reset_fused_a2a_buffers_is_idempotent_without_buffers():
     not fused_a2a.HAVE_DEEP_EP and not fused_a2a.HAVE_HYBRIDEP,
     reason="Deep EP and Hybrid EP are not available",
 )
-class TestFusedA2ACommBuffers:
-    def setup_method(self, method):
-        self.groups = []
-
-    def teardown_method(self, method):
-        _release_buffers()
-        for group in self.groups:
-            torch.distributed.destroy_process_group(group)
-        Utils.destroy_model_parallel()
-
-    def _two_ep_groups(self):
-        """EP 4 on 8 ranks: parallel_state's EP group ([0-3] or [4-7]) and this rank's group in
-        OTHER_EP_GROUPS."""
-        if Utils.world_size != 8:
-            pytest.skip("needs 8 ranks")
-        Utils.initialize_model_parallel(expert_model_parallel_size=4)
-        rank = torch.distributed.get_rank()
-        other = None
-        for ranks in OTHER_EP_GROUPS:  # every rank creates every group
-            group = torch.distributed.new_group(ranks)
-            if rank in ranks:
-                other = group
-        self.groups.append(other)  # destroyed in teardown, after the buffers bound to it
-        return parallel_state.get_expert_model_parallel_group(), other
-
+class TestFusedA2ACommBuffers(TwoEPGroups):
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
     @pytest.mark.parametrize("moe_flex_dispatcher_backend", ["deepep", "hybridep", "ncclep"])
@@ -277,11 +135,11 @@ class TestFusedA2ACommBuffers:
         """A release between steps frees the buffer; the next step re-creates it and gives
         bitwise the same outputs and gradients."""
         backend = moe_flex_dispatcher_backend
-        _skip_unless(backend)
+        skip_unless(backend)
         Utils.initialize_model_parallel(expert_model_parallel_size=8)
-        layer = _build_moe_layer(backend)
-        inp = _make_input()
-        first = _forward_backward(layer, inp)
+        layer = build_moe_layer(backend)
+        inp = make_input()
+        first = forward_backward(layer, inp)
         buffer = _held_buffer(backend)
         assert buffer is not None, f"no {backend} buffer after a dispatch"
         # NCCL EP's "buffer" is its group, which parallel_state keeps.
@@ -293,88 +151,24 @@ class TestFusedA2ACommBuffers:
         assert _held_buffer(backend) is None, f"the {backend} buffer outlives the release"
         assert buffer_ref() is None, f"the released {backend} buffer is still referenced"
 
-        second = _forward_backward(layer, inp)
+        second = forward_backward(layer, inp)
         assert _held_buffer(backend) is not None, "the next dispatch did not re-create the buffer"
         # Deterministic kernels on the same inputs: bitwise equal, not merely close.
-        _assert_bitwise_equal(second, first, "after a release")
+        assert_bitwise_equal(second, first, "after a release")
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
     @pytest.mark.parametrize("moe_flex_dispatcher_backend", ["deepep", "hybridep", "ncclep"])
     def test_destroy_model_parallel_releases(self, moe_flex_dispatcher_backend):
         backend = moe_flex_dispatcher_backend
-        _skip_unless(backend)
+        skip_unless(backend)
         Utils.initialize_model_parallel(expert_model_parallel_size=8)
-        layer = _build_moe_layer(backend)
-        _forward_backward(layer, _make_input())
+        layer = build_moe_layer(backend)
+        forward_backward(layer, make_input())
         assert _held_buffer(backend) is not None, f"no {backend} buffer after a dispatch"
         del layer
         Utils.destroy_model_parallel()
         assert _held_buffer(backend) is None, f"the {backend} buffer outlives its groups"
-
-    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
-    @pytest.mark.internal
-    def test_hybridep_two_models_on_different_ep_groups(self):
-        """Layer A on EP groups [0-3],[4-7], layer B on [0,2,4,6],[1,3,5,7], forwards and
-        backwards interleaved (A's backward after B's forward): every dispatch, combine and
-        backward runs on its own group's buffer, so the results are bitwise those of each layer
-        run alone, and there is one buffer per group."""
-        _skip_unless("hybridep")
-        _, group_b = self._two_ep_groups()
-        pgc_b = copy.copy(get_default_pg_collection())
-        pgc_b.ep = pgc_b.tp_ep = group_b
-        layers = {"A": _build_moe_layer("hybridep"), "B": _build_moe_layer("hybridep", pgc_b)}
-        inputs = {"A": _make_input(1000), "B": _make_input(2000)}
-
-        alone = {}
-        for k in "AB":  # each layer on buffers of its own group only
-            _release_buffers()
-            alone[k] = _forward_backward(layers[k], inputs[k])
-        _release_buffers()
-
-        x_a, out_a = _forward(layers["A"], inputs["A"])
-        x_b, out_b = _forward(layers["B"], inputs["B"])
-        interleaved = {"A": _backward(layers["A"], x_a, out_a)}
-        interleaved["B"] = _backward(layers["B"], x_b, out_b)
-        for k in "AB":
-            _assert_bitwise_equal(interleaved[k], alone[k], f"layer {k} interleaved")
-        # The flex dispatcher communicates over its TPxEP group (with TP 1, the EP ranks).
-        groups = {layer.token_dispatcher.tp_ep_group for layer in layers.values()}
-        assert len(groups) == 2
-        buffers = fused_a2a._hybrid_ep_buffers
-        assert (
-            set(buffers) == groups
-        ), f"{len(buffers)} HybridEP buffers, not one for each of the two layers' groups"
-
-    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
-    @pytest.mark.internal
-    def test_hybridep_module_global_is_what_dispatches_use(self, monkeypatch):
-        """fused_a2a._hybrid_ep_buffer, which code outside megatron-core reads and test
-        fixtures save and restore: None before a dispatch, then the buffer the dispatch ran on;
-        set to None, the next dispatch allocates a buffer and the global names it; restored,
-        the saved buffer is the one the next dispatch runs on."""
-        _skip_unless("hybridep")
-        used = []
-
-        class RecordingBuffer(fused_a2a.HybridEPBuffer):
-            def dispatch_with_permute(self, *args, **kwargs):
-                used.append(self)
-                return super().dispatch_with_permute(*args, **kwargs)
-
-        monkeypatch.setattr(fused_a2a, "HybridEPBuffer", RecordingBuffer)
-        Utils.initialize_model_parallel(expert_model_parallel_size=8)
-        _release_buffers()
-        assert fused_a2a._hybrid_ep_buffer is None
-        layer = _build_moe_layer("hybridep")
-        _forward_backward(layer, _make_input())
-        saved = fused_a2a._hybrid_ep_buffer
-        assert saved is not None and saved is used[-1]
-        monkeypatch.setattr(fused_a2a, "_hybrid_ep_buffer", None)
-        _forward_backward(layer, _make_input())
-        assert used[-1] is not saved and fused_a2a._hybrid_ep_buffer is used[-1]
-        fused_a2a._hybrid_ep_buffer = saved
-        _forward_backward(layer, _make_input())
-        assert used[-1] is saved
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
@@ -383,27 +177,27 @@ class TestFusedA2ACommBuffers:
         layer A's EP group, layer B (on another group) is refused, naming the release, instead
         of dispatching over A's communicator; after the release B runs on its own group and
         gives bitwise the results of B alone."""
-        _skip_unless("ncclep")
-        _, group_b = self._two_ep_groups()
+        skip_unless("ncclep")
+        _, group_b = self.two_ep_groups()
         pgc_b = copy.copy(get_default_pg_collection())
         pgc_b.ep = pgc_b.tp_ep = group_b
-        layers = {"A": _build_moe_layer("ncclep"), "B": _build_moe_layer("ncclep", pgc_b)}
-        inputs = {"A": _make_input(1000), "B": _make_input(2000)}
-        alone = _forward_backward(layers["B"], inputs["B"])
+        layers = {"A": build_moe_layer("ncclep"), "B": build_moe_layer("ncclep", pgc_b)}
+        inputs = {"A": make_input(1000), "B": make_input(2000)}
+        alone = forward_backward(layers["B"], inputs["B"])
         fused_a2a.reset_fused_a2a_buffers()
 
-        _forward_backward(layers["A"], inputs["A"])
+        forward_backward(layers["A"], inputs["A"])
         with pytest.raises(RuntimeError, match="reset_fused_a2a_buffers"):
-            _forward(layers["B"], inputs["B"])
+            run_forward(layers["B"], inputs["B"])
         fused_a2a.reset_fused_a2a_buffers()
-        after = _forward_backward(layers["B"], inputs["B"])
-        _assert_bitwise_equal(after, alone, "layer B after the release")
+        after = forward_backward(layers["B"], inputs["B"])
+        assert_bitwise_equal(after, alone, "layer B after the release")
         assert _nccl_ep_group() is layers["B"].token_dispatcher.tp_ep_group
 
     def _hold_buffers_on_two_groups(self):
         """HybridEP buffers on this rank's two EP groups and the DeepEP buffer on the first
         (each backend where installed); returns the two groups."""
-        group_a, group_b = self._two_ep_groups()
+        group_a, group_b = self.two_ep_groups()
         self._hold_buffers(group_a, group_b)
         return group_a, group_b
 
@@ -526,6 +320,33 @@ class TestFusedA2ACommBuffers:
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
+    def test_destroy_model_parallel_leaves_nccl_ep_after_a_failed_wait(self, monkeypatch, caplog):
+        """After a wait that gave up on a peer, destroy_model_parallel() does not finalize NCCL
+        EP: TransformerEngine's ep_finalize deregisters symmetric memory and destroys NCCL EP's
+        group, which waits for that peer too. The context is left as it is, with a warning."""
+        skip_unless("ncclep")
+        Utils.initialize_model_parallel(expert_model_parallel_size=8)
+        forward_backward(build_moe_layer("ncclep"), make_input())
+        assert _nccl_ep_group() is not None, "no NCCL EP context after a dispatch"
+        finalized = []
+
+        def barrier_never_met(group=None, async_op=False, **kwargs):
+            assert async_op, "an unbounded barrier: a peer that never arrives hangs it"
+            return _PendingWork()
+
+        with monkeypatch.context() as m:
+            m.setattr(torch.distributed, "barrier", barrier_never_met)
+            m.setattr(fused_a2a.te_ep, "ep_finalize", lambda: finalized.append(True))
+            m.setattr(parallel_state, "_COMM_BUFFER_RELEASE_TIMEOUT", 1.0, raising=False)
+            parallel_state.destroy_model_parallel()
+        Utils.inited = False  # torn down here, without Utils' barrier
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert any("TimeoutError" in w for w in warnings), f"logged no warning: {warnings}"
+        assert not finalized, "finalized NCCL EP after a failed wait"
+        fused_a2a.nccl_ep_finalize()  # every peer is here in this test
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+    @pytest.mark.internal
     @pytest.mark.parametrize("moe_flex_dispatcher_backend", ["deepep", "hybridep", "ncclep"])
     def test_reset_refuses_while_a_captured_dispatch_may_replay(
         self, moe_flex_dispatcher_backend, monkeypatch
@@ -533,10 +354,10 @@ class TestFusedA2ACommBuffers:
         """A CUDA graph that captured a dispatch keeps raw pointers into the buffer: the release
         raises, naming the fix, and keeps the buffer; graphs_released=True frees it."""
         backend = moe_flex_dispatcher_backend
-        _skip_unless(backend)
+        skip_unless(backend)
         Utils.initialize_model_parallel(expert_model_parallel_size=8)
-        layer = _build_moe_layer(backend)
-        inp = _make_input()
+        layer = build_moe_layer(backend)
+        inp = make_input()
         with torch.no_grad():
             layer(inp)  # warm-up, outside any capture
             with monkeypatch.context() as m:
@@ -587,7 +408,7 @@ class TestFusedA2ACommBuffers:
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
     def test_deep_ep_buffer_built_with_explicitly_destroy(self):
-        _skip_unless("deepep")
+        skip_unless("deepep")
         if not self._explicitly_destroy_supported():
             pytest.skip("deep_ep's Buffer has no explicitly_destroy")
         Utils.initialize_model_parallel(expert_model_parallel_size=8)
@@ -602,7 +423,7 @@ class TestFusedA2ACommBuffers:
     def test_deep_ep_buffer_destroyed_before_its_replacement(self, monkeypatch):
         """Growth frees the old buffer (by destroy(), where deep_ep has explicitly_destroy)
         before the larger one is allocated, so the two are never held at once."""
-        _skip_unless("deepep")
+        skip_unless("deepep")
         Utils.initialize_model_parallel(expert_model_parallel_size=8)
         group = parallel_state.get_expert_model_parallel_group()
         events = self._record_deep_ep_buffers(monkeypatch)
@@ -620,7 +441,7 @@ class TestFusedA2ACommBuffers:
     def test_reset_destroys_deep_ep_buffer_while_referenced(self, monkeypatch):
         """The release frees the DeepEP buffer by destroy(), not whenever its last reference
         goes (here one is still alive)."""
-        _skip_unless("deepep")
+        skip_unless("deepep")
         if not self._explicitly_destroy_supported():
             pytest.skip("deep_ep's Buffer has no explicitly_destroy")
         Utils.initialize_model_parallel(expert_model_parallel_size=8)
