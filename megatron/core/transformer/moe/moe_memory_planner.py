@@ -844,6 +844,7 @@ class MoEMemoryConfig:
     moe_flex_dispatcher_backend: str = "deepep"
     moe_flex_dispatcher_num_sms: Optional[int] = None
     moe_hybridep_num_sms_preprocessing: int = DEFAULT_BLOCKS_PREPROCESSING
+    moe_permute_fusion_into_hybridep: bool = False
     moe_router_dtype: Optional[str] = None
     moe_expert_rank_capacity_factor: Optional[float] = None
     moe_ncclep_zero_copy: bool = False
@@ -917,6 +918,7 @@ class MoEMemoryConfig:
         for name in (
             "bf16",
             "moe_ncclep_zero_copy",
+            "moe_permute_fusion_into_hybridep",
             "account_for_embedding_in_pipeline_split",
             "account_for_loss_in_pipeline_split",
         ):
@@ -1384,6 +1386,14 @@ def kernel_refusal(cfg: MoEMemoryConfig) -> Optional[str]:
                 f"multiple of 16 bytes ({src.hidden_at[inter]})"
             )
     if cfg.moe_flex_dispatcher_backend == "hybridep":
+        chunks = {kind: env_chunk(kind) for kind in CHUNK_ENV}
+        if cfg.moe_permute_fusion_into_hybridep and len(set(chunks.values())) > 1:
+            sizes = ", ".join(f"{CHUNK_ENV[k]}={v}" for k, v in chunks.items())
+            return (
+                f"moe_permute_fusion_into_hybridep: HybridEP's fused permute needs one chunk "
+                f"size for dispatch, combine and preprocessing, got {sizes} (deep_ep "
+                "csrc/hybrid_ep/config.cuh:174-183)"
+            )
         return hybridep_refusal(hybridep_layout(cfg))
     return None
 
@@ -1642,7 +1652,12 @@ REQUIRED = ("hidden_size", "num_moe_experts", "moe_router_topk", "num_layers")
 # Command-line flag (Megatron's argument names) -> MoEMemoryConfig field.
 FLAGS = {arg.flag: name for name, arg in ARGS.items()}
 FIELD_FLAGS = {field_name: flag for flag, field_name in FLAGS.items()}
-FIELD_FLAGS["num_layers_per_virtual_pipeline_stage"] = "--num-layers-per-virtual-pipeline-stage"
+# The flags build_parser adds beside ARGS, named as megatron names them.
+FIELD_FLAGS.update({name: "--" + name.replace("_", "-") for name in (
+    "num_layers_per_virtual_pipeline_stage", "sequence_parallel", "moe_ncclep_zero_copy",
+    "moe_permute_fusion_into_hybridep", "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+)})  # fmt: skip
 INT_FIELDS = {
     "hidden_size", "num_moe_experts", "moe_router_topk", "num_layers", "seq_length",
     "micro_batch_size", "tensor_model_parallel_size", "context_parallel_size",
@@ -1654,6 +1669,7 @@ INT_FIELDS = {
 FLOAT_FIELDS = ("routed_rows_factor", "moe_expert_rank_capacity_factor")
 BOOL_KEYS = (
     "bf16", "fp16", "moe_ncclep_zero_copy", "moe_enable_deepep", "moe_layer_recompute",
+    "moe_permute_fusion_into_hybridep",
     "sequence_parallel", "account_for_embedding_in_pipeline_split",
     "account_for_loss_in_pipeline_split",
 )  # fmt: skip
@@ -1960,6 +1976,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="sequence parallelism: tokens split over TP too (default: assumed on, "
                      "with a note when TP > 1; the YAML's sequence_parallel: false turns it "
                      "off)")  # fmt: skip
+    opt.add_argument("--moe-permute-fusion-into-hybridep", action="store_true", default=None,
+                     help="HybridEP's fused permute-dispatch: one chunk size for all three "
+                     "variables (default off)")  # fmt: skip
     opt.add_argument("--moe-ncclep-zero-copy", dest="moe_ncclep_zero_copy", action="store_true",
                      default=None, help="NCCL EP's zero-copy buffers (default off)")  # fmt: skip
     out = p.add_argument_group("input and output")
@@ -1996,8 +2015,12 @@ def config_from_args(
     values.update({n: getattr(args, n) for n in ARGS if getattr(args, n) is not None})
     if args.moe_ncclep_zero_copy:
         values["moe_ncclep_zero_copy"] = True
-    for name in ("sequence_parallel", "account_for_embedding_in_pipeline_split",
-                 "account_for_loss_in_pipeline_split"):  # fmt: skip
+    for name in (
+        "sequence_parallel",
+        "account_for_embedding_in_pipeline_split",
+        "account_for_loss_in_pipeline_split",
+        "moe_permute_fusion_into_hybridep",
+    ):
         if getattr(args, name):
             values[name] = True
     if getattr(args, LAYERS_PER_VIRTUAL_STAGE) is not None:

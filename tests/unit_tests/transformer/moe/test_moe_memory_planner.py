@@ -788,6 +788,12 @@ KERNEL_REFUSALS = [
     (V3 + ["--expert-model-parallel-size", 2, "--tokens-per-rank", 4096] + HYBRIDEP,
      {"NUM_OF_TOKENS_PER_CHUNK_PREPROCESSING_API": "-64"},
      "NUM_OF_TOKENS_PER_CHUNK_PREPROCESSING_API='-64'", "config.cuh:388-391"),
+    # The GB200 DeepSeek-V3 recipe's combine chunk of 128 with the permute fused into HybridEP.
+    (V3 + ["--expert-model-parallel-size", 8, "--tokens-per-rank", 4096,
+           "--moe-permute-fusion-into-hybridep"] + HYBRIDEP,
+     {"NUM_OF_TOKENS_PER_CHUNK_COMBINE_API": "128"},
+     "--moe-permute-fusion-into-hybridep: HybridEP's fused permute needs one chunk size",
+     "config.cuh:174-183"),
     (V3 + ["--expert-model-parallel-size", 8, "--tokens-per-rank", 4096,
            "--moe-flex-dispatcher-num-sms", 21] + DEEPEP, {},
      "--moe-flex-dispatcher-num-sms: DeepEP refuses an odd SM count, got 21",
@@ -868,6 +874,7 @@ CITED = [
     ("hybrid-ep", f"{HEP}config.cuh:18", "HYBRID_EP_IB_QP_MAX_TX_DEPTH = 65536"),
     ("hybrid-ep", f"{HEP}config.cuh:28-33", "if (tx_depth < HYBRID_EP_IB_QP_MAX_TX_DEPTH)"),
     ("hybrid-ep", f"{HEP}config.cuh:197-200", "return val ? atoi(val) : default_value"),
+    ("hybrid-ep", f"{HEP}config.cuh:174-183", "Fuse mode requires identical chunk sizes"),
     ("hybrid-ep", f"{HEP}config.cuh:388-391", "/ buffer_config.num_of_tokens_per_chunk_combine"),
     ("hybrid-ep", f"{HEP}config.cuh:393-398", "The buffer config is not valid."),
     ("hybrid-ep", f"{HEP}executor/executor.cu:120-123", "_chunk_preprocessing_api"),
@@ -1455,3 +1462,14 @@ def test_embedding_and_loss_in_the_pipeline_split(tmp_path, capsys):
     assert data["derived"]["moe_layers_per_pipeline_rank"] == [2, 3, 2]
     line = _one_line_exit_2(capsys, base + flags + ["--decoder-first-pipeline-num-layers", 1])
     assert "transformer_config.py:1923-1932" in line
+
+
+def test_fused_permute_with_one_chunk_size_plans(monkeypatch, capsys):
+    """With the permute fused into HybridEP and all three chunk variables 128, the kernel
+    accepts the configuration: rows roundup_128(4096) = 4096, chunk flags 32 x 8 ranks x 4 B."""
+    for kind in ("DISPATCH", "COMBINE", "PREPROCESSING"):
+        monkeypatch.setenv(f"NUM_OF_TOKENS_PER_CHUNK_{kind}_API", "128")
+    args = V3 + ["--expert-model-parallel-size", 8, "--tokens-per-rank", 4096] + HYBRIDEP
+    data, _ = _plan_json(capsys, args + ["--moe-permute-fusion-into-hybridep"])
+    terms = {t["name"]: t["nbytes"] for t in data["buffers"]}
+    assert terms["dispatch chunk flags"] == terms["combine chunk flags"] == 32 * 8 * 4
