@@ -92,6 +92,11 @@ def pytest_configure(config):
         "tree_has(path, text): needs code only some trees have (``text`` in the tree's file at "
         "``path``); deselected, not skipped, where the tree under test lacks it",
     )
+    config.addinivalue_line(
+        "markers",
+        "needs_env(name): reads what the environment variable ``name`` points at (a source "
+        "checkout CI does not have); deselected, not skipped, where it is unset",
+    )
 
 
 def _tree_has(path: str, text: str) -> bool:
@@ -131,6 +136,7 @@ def pytest_collection_modifyitems(config, items):
         for item in items
         if any(m.args[0] not in backends for m in item.iter_markers("flex_backend"))
         or any(not _tree_has(*m.args) for m in item.iter_markers("tree_has"))
+        or any(not os.environ.get(m.args[0]) for m in item.iter_markers("needs_env"))
     ]
     # Release-test prefixes only deselected tests match are not expected on this tree.
     not_here = {

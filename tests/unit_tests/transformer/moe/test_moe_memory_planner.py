@@ -905,9 +905,7 @@ CITED = [
 ]  # fmt: skip
 
 
-@pytest.mark.skipif(
-    not os.environ.get("DEEP_EP_SRC"), reason="DEEP_EP_SRC: a deep_ep git checkout to read"
-)
+@pytest.mark.needs_env("DEEP_EP_SRC")  # a deep_ep git checkout to read
 @pytest.mark.parametrize("source,cited,holds", CITED)
 def test_the_cited_lines_say_what_the_planner_says(source, cited, holds):
     """The source lines the refusals and terms cite hold the check or allocation named (read
