@@ -6,8 +6,8 @@ which release tests ran and passed at the last recorded run.
 ``scripts/run-tests`` records each base's run (pytest's JUnit XML) with ``matrix --record``
 into ``.build/test-runs/<base>.json`` (not committed); ``matrix`` prints the table from
 patches/pins.toml and those records, and ``matrix --update FILE`` rewrites the table between
-the ``<!-- moe-release matrix -->`` markers in FILE (the README). A record whose series label
-is not the base's current one is shown as stale: the series changed since it ran.
+the ``<!-- moe-release matrix -->`` markers in FILE (docs/compatibility.md). A record whose
+series label is not the base's current one is shown as stale: the series changed since it ran.
 
 The release tests are the node-id prefixes of ``BACKPORT_CASES`` in
 ``tests/unit_tests/conftest.py`` (read as text, never imported); each is put in a column by
@@ -199,8 +199,7 @@ def table(root: Path = REPO_ROOT) -> str:
         "Cells: release tests (`-m backport`, one case per fix) that passed / ran at the last "
         "recorded `scripts/run-tests` run of that base; ✗ names failures and skips; — none in "
         "that column; n/a: the base has no such flex backend; \"not run\": no run recorded "
-        "here. `moe_release.py matrix --update "
-        "README.md` regenerates this table."
+        "here. `moe_release.py matrix --update docs/compatibility.md` regenerates this table."
     )
     return "\n".join(rows) + "\n\n" + legend + "\n"
 
