@@ -41,8 +41,9 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .checkout import LABEL_SUBJECT, label_files
 from .common import REPO_ROOT, UserError, log
-from .git import FORMAT_PATCH_FLAGS, git, git_env
+from .git import COMMITTER_IDENT, FORMAT_PATCH_FLAGS, git, git_env
 from .landed import files_series_states
 from .patches import Patch, apply_file_patch, parse_patch
 from .pins import Base, load_pins
@@ -62,7 +63,7 @@ from .port import (
 )
 from .repo import read_series
 from .source import read_base_files
-from .trees import atomic_directory, check_target_dir, os_error
+from .trees import PACKAGE_INFO, atomic_directory, check_target_dir, os_error
 
 # The oldest series' line, core_r0.16.0 (0.16.1), forked from main on 2026-02-02 (f4502eb);
 # a commit older than that is older than every series.
@@ -360,6 +361,7 @@ class ApplyResult:
     outcomes: list[Outcome]
     commit: Optional[str]  # the last commit built in the scratch repository (None: none)
     ok: bool
+    version: Optional[str] = None  # the label commit's megatron-core version (None: none)
 
 
 def resolution_path(choice: Choice, ref: str, patch_name: str) -> Path:
@@ -490,9 +492,12 @@ def apply_series(
     mirror: Optional[Path] = None,
     root: Path = REPO_ROOT,
     series_name: Optional[str] = None,
+    label: bool = True,
 ) -> ApplyResult:
     """Merge the nearest series onto ``ref``, building one commit per applied patch in a
-    scratch repository at ``scratch`` (an empty directory); the checkout is only read."""
+    scratch repository at ``scratch`` (an empty directory); the checkout is only read. With
+    ``label``, a last commit makes ``pip install`` build ``<version>+moerelease...``
+    (checkout.label_files)."""
     prep = _prepare(co, ref, mirror, root, series_name)
     choice, states, stored, at_ref, moved = (
         prep.choice, prep.states, prep.stored, prep.at_ref, prep.moved)  # fmt: skip
@@ -552,9 +557,41 @@ def apply_series(
         if moved.keys() & changed.keys():
             out.note = ", ".join(f"{p} merged as {moved[p]}" for p in moved if p in changed)
     ok = all(o.verdict != CONFLICT for o in outcomes)
+    version = None
+    if ok and head != ref and label:
+        head, version = _label_commit(repo, ref, head, choice.base, outcomes, stored, root)
     if ok and head != ref:
         git(scratch, "update-ref", "refs/heads/apply", head)
-    return ApplyResult(ref, choice, outcomes, head if head != ref else None, ok)
+    return ApplyResult(ref, choice, outcomes, head if head != ref else None, ok, version)
+
+
+def _label_commit(
+    repo: _Scratch, ref: str, head: str, base: Base, outcomes: list[Outcome],
+    stored: dict[str, bytes], root: Path,
+) -> tuple[str, str]:
+    """The label commit on ``head`` (checkout.label_files), dated as the last patch."""
+    applied = [o.patch for o in outcomes if o.verdict in (APPLIED, REPLAYED)]
+    changed = git(repo.path, "diff", "--name-only", "--no-renames", ref, head).decode().split()
+    scratch = Checkout(repo.path, repo.path / "objects", True)
+    version, files = label_files(ref, head, base, applied, scratch.files, changed, stored, root)
+    date = git(repo.path, "log", "-1", "--format=%aI", head).decode().strip()
+    git(repo.path, "read-tree", head, env=repo.env)
+    entries = []
+    for path, data in sorted(files.items()):
+        blob = git(repo.path, "hash-object", "-w", "--stdin", input=data).decode().strip()
+        entries.append(f"{repo._mode(head, path)} {blob}\t{path}\n")
+    git(repo.path, "update-index", "--add", "--index-info", env=repo.env,
+        input="".join(entries).encode())  # fmt: skip
+    tree = git(repo.path, "write-tree", env=repo.env).decode().strip()
+    msg = (f"{LABEL_SUBJECT}{version}\n\n`pip install` of this checkout builds megatron-core "
+           f"{version}: the series of\n{base.name} ({len(applied)} commits below) applied on "
+           f"{ref[:12]} by moe-release's `apply`.\nThis commit stamps {PACKAGE_INFO}, adds "
+           "moe-release's new modules and the\nmanifest `moe_release.py verify` reads.\n")
+    env = git_env(dict(GIT_AUTHOR_NAME=COMMITTER_IDENT[0], GIT_AUTHOR_EMAIL=COMMITTER_IDENT[1],
+                       GIT_AUTHOR_DATE=date, GIT_COMMITTER_DATE=date))  # fmt: skip
+    commit = git(repo.path, "commit-tree", tree, "-p", head, "-F", "-", env=env,
+                 input=msg.encode()).decode().strip()  # fmt: skip
+    return commit, version
 
 
 def record_resolutions(
@@ -573,6 +610,8 @@ def record_resolutions(
     if not co.is_ancestor(ref, resolved):
         raise UserError(f"--record {resolved}: not a descendant of REF {ref[:12]}")
     commits = co.out("rev-list", "--reverse", "--first-parent", f"{ref}..{resolved}").split()
+    if commits and co.out("log", "-1", "--format=%s", commits[-1]).startswith(LABEL_SUBJECT):
+        commits.pop()  # apply's label commit: not a patch
     prep = _prepare(co, ref, mirror, root, series_name)
     choice, moved = prep.choice, prep.moved
     paths = set(prep.at_ref)
@@ -742,9 +781,11 @@ def run_apply(
     mirror: Optional[Path] = None,
     root: Optional[Path] = None,
     series_name: Optional[str] = None,
+    label: bool = True,
 ) -> tuple[Checkout, ApplyResult, list[str]]:
     """The verb: bad input refused (UserError) before anything is written; then the merge, and
-    on full success the branch (or the --out files). Returns what was done, in lines."""
+    on full success the branch (or the --out files), with the label commit unless ``label`` is
+    false. Returns what was done, in lines."""
     root = root or REPO_ROOT
     co = open_checkout(checkout)
     rev = ref or "HEAD"
@@ -768,7 +809,7 @@ def run_apply(
     with tempfile.TemporaryDirectory(prefix="moe-apply-") as tmp:
         scratch = Path(tmp) / "scratch.git"
         result = apply_series(history(co, mirror, Path(tmp)), commit, scratch, mirror, root,
-                              series_name)  # fmt: skip
+                              series_name, label)  # fmt: skip
         if not result.ok or dry_run:
             return co, result, ["(dry run: nothing written)"] if dry_run and result.ok else []
         if result.commit is None:
@@ -792,4 +833,7 @@ def run_apply(
             done.append(f"branch {name} at {result.commit[:12]}: "
                         f"{co.count(f'{commit}..{name}')} commit(s) on {commit[:12]}; "
                         f"git switch {name}")  # fmt: skip
+    if result.version:
+        done.append(f"pip install of it builds megatron-core {result.version} (its last "
+                    "commit labels the build; --no-label leaves it out)")  # fmt: skip
     return co, result, done

@@ -32,13 +32,14 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .apply import choose_series, history, open_checkout, run_apply, run_record
 from .apply import report_lines as apply_report_lines
-from .apply import run_apply, run_record
 from .check import check_base, find_installed_core, verify_installed
+from .checkout import build_checkout_trees, is_checkout_manifest, verify_checkout_install
 from .common import UserError, log
 from .git import create_edit_repo, export_series
 from .landed import landed_states
-from .matrix import record_run, table, update_file
+from .matrix import compare_lines, record_run, table, update_file
 from .patches import overlay_label, parse_patch
 from .pins import load_pins
 from .port import all_target_names, port_all, report_lines
@@ -144,6 +145,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     load_pins().get(args.base)  # an unknown --base before the interpreter is asked
     core_dir, dist_version = find_installed_core(args.python)
+    manifest = _installed_manifest(core_dir)
+    if args.base is None and manifest is not None and is_checkout_manifest(manifest):
+        return _verify_checkout(core_dir, dist_version, manifest)
     tree = load_tree(args.base)
     problems = verify_installed(core_dir, dist_version, tree)
     if problems:
@@ -159,13 +163,61 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _installed_manifest(core_dir: Path) -> Optional[dict]:
+    path = core_dir.parent.parent / MANIFEST_PATH
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _verify_checkout(core_dir: Path, dist_version: Optional[str], manifest: dict) -> int:
+    """verify of an install of a checkout carrying the series (apply's label commit)."""
+    base = manifest["base"]
+    what = f"the series of {base['pin']} applied on Megatron-LM {base['commit'][:12]}"
+    problems = verify_checkout_install(core_dir, dist_version, manifest)
+    if problems:
+        print(f"MISMATCH: megatron-core at {core_dir} does not match {what}")
+        for problem in problems:
+            print(f"  {problem}")
+        return 1
+    print(f"OK: megatron-core {dist_version} at {core_dir} matches {what} "
+          f"({len(manifest['files'])} files hashed)")  # fmt: skip
+    return 0
+
+
 def _cmd_trees(args: argparse.Namespace) -> int:
+    if args.from_checkout:
+        return _checkout_trees(args)
+    if args.ref or args.base_ref:
+        raise UserError("--ref and --base-ref go with --from-checkout")
     if args.list:
         print(" ".join(listed_bases()))
         return 0
     base, patched = ensure_trees(version=args.base)
     print(f"export MOE_RELEASE_BASE_TREE={shlex.quote(str(base))}")
     print(f"export MOE_RELEASE_TREE={shlex.quote(str(patched))}")
+    return 0
+
+
+def _checkout_trees(args: argparse.Namespace) -> int:
+    """trees --from-checkout: a checkout's patched and unpatched trees, as shell exports."""
+    co = open_checkout(Path(args.from_checkout))
+    mirror = os.environ.get(CHECKOUT_ENV)
+    with tempfile.TemporaryDirectory(prefix="moe-trees-") as tmp:
+
+        def line_of(commit: str) -> Optional[str]:
+            try:
+                hist = history(co, Path(mirror) if mirror else None, Path(tmp))
+                return choose_series(hist, commit).line
+            except UserError:
+                return None  # no stored base in reach: the source names the commit only
+
+        trees = build_checkout_trees(co, args.ref, args.base_ref, line_of=line_of)
+    for key, value in (("MOE_RELEASE_BASE_TREE", trees.base), ("MOE_RELEASE_TREE", trees.patched),
+                       ("MOE_RELEASE_RUN_NAME", trees.name),
+                       ("MOE_RELEASE_RUN_SOURCE", trees.source)):  # fmt: skip
+        print(f"export {key}={shlex.quote(str(value))}")
     return 0
 
 
@@ -285,7 +337,7 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     co, result, done = run_apply(
         Path(args.checkout), args.ref, args.dry_run,
         Path(args.out) if args.out else None, args.branch,
-        mirror, series_name=args.series,
+        mirror, series_name=args.series, label=not args.no_label,
     )  # fmt: skip
     for line in apply_report_lines(co, result):
         print(line)
@@ -302,7 +354,17 @@ def _cmd_matrix(args: argparse.Namespace) -> int:
     if args.record:
         if not args.junit:
             raise UserError("--record NAME needs --junit XML (pytest's --junitxml output)")
-        print(record_run(args.record, Path(args.junit), args.seconds, args.status))
+        checkout = None
+        if args.source or args.tree or args.unpatched_junit:
+            if not (args.source and args.tree and args.unpatched_junit):
+                raise UserError("a checkout's run needs --source, --tree and --unpatched-junit")
+            checkout = (args.source, Path(args.tree), Path(args.unpatched_junit))
+        path = record_run(args.record, Path(args.junit), args.seconds, args.status,
+                          checkout=checkout)  # fmt: skip
+        print(path)
+        if checkout is not None:
+            for line in compare_lines(json.loads(path.read_text())):
+                print(line)
         return 0
     text = table()
     if args.update:
@@ -369,6 +431,16 @@ def build_parser() -> argparse.ArgumentParser:
         f"with a series that can be read here (commit bases need ${CHECKOUT_ENV}; "
         f"${BASES_ENV} chooses)",
     )
+    p.add_argument(
+        "--from-checkout",
+        metavar="DIR",
+        help="instead: the trees of a Megatron-LM git checkout carrying the series (apply's "
+        "branch), under .build/trees/checkout-<commit12>: patched = DIR at --ref as committed, "
+        "unpatched = the commit below its series commits (or --base-ref)",
+    )
+    p.add_argument("--ref", help="with --from-checkout: the patched commit (default: HEAD)")
+    p.add_argument("--base-ref", metavar="REF0",
+                   help="with --from-checkout: the commit without the series")  # fmt: skip
     p.set_defaults(func=_cmd_trees)
     p = verb("label", "print the overlay version (base+label) of the series")
     p.add_argument("--no-series", action="store_true", help="label of the base + new modules only")
@@ -446,6 +518,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", help="write git am-able files here instead of a branch")
     p.add_argument("--branch", metavar="NAME",
                    help="the new branch (default: moe-release/<commit12>)")  # fmt: skip
+    p.add_argument("--no-label", action="store_true",
+                   help="leave out the last commit, which makes pip install of the checkout "
+                   "build <version>+moerelease.N.HASH (stamps package_info.py, adds the new "
+                   "modules and the manifest verify reads)")  # fmt: skip
     p.add_argument(
         "--record",
         metavar="RESOLVED",
@@ -473,6 +549,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--junit", metavar="XML", help="with --record: the run's JUnit XML")
     p.add_argument("--seconds", type=int, default=0, help="with --record: the run's wall time")
     p.add_argument("--status", type=int, default=0, help="with --record: pytest's exit status")
+    p.add_argument("--source", help="with --record checkout-<commit12>: the checkout in words")
+    p.add_argument("--tree", help="with --record checkout-<commit12>: its patched tree")
+    p.add_argument("--unpatched-junit", metavar="XML",
+                   help="with --record checkout-<commit12>: the run on the commit without the "
+                   "series")  # fmt: skip
     p.set_defaults(func=_cmd_matrix)
     return parser
 

@@ -15,6 +15,11 @@ its node id: the A2A-overlap tests by their directory, the others by the dispatc
 their parameters (flex on HybridEP, DeepEP, DeepEP v2 or NCCL EP, all-to-all, all-gather), the
 rest (CPU guards, communication-buffer teardown) under "other". A flex backend the base does
 not have (NCCL EP before 0.19, DeepEP v2 outside dev) is n/a in its column, not a failure.
+
+A Megatron-LM checkout carrying the series (``run-tests --checkout DIR``) is recorded as
+``checkout-<commit12>`` with its source in words, and with the same release tests' outcomes on
+the commit without the series, where each retention test must fail: its row's last cell says
+how many failed there.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from .repo import overlay_files, read_series
 from .trees import flex_backends
 
 RUNS_DIR = Path(".build") / "test-runs"
+CHECKOUT_PREFIX = "checkout-"
 CONFTEST = Path("tests") / "unit_tests" / "conftest.py"
 BEGIN, END = "<!-- moe-release matrix -->", "<!-- /moe-release matrix -->"
 COLUMNS = (
@@ -120,15 +126,34 @@ def patched_tree_dir(base: Base, root: Path = REPO_ROOT) -> Path:
     return root / ".build" / "trees" / f"{base.name}+{label}"
 
 
-def record_run(name: str, junit: Path, seconds: int, status: int, root: Path = REPO_ROOT) -> Path:
-    """Write ``.build/test-runs/<name>.json``: the base's release-test outcomes from one run."""
-    base = load_pins(root / "patches" / "pins.toml").get(name)
+def record_run(
+    name: str,
+    junit: Path,
+    seconds: int,
+    status: int,
+    root: Path = REPO_ROOT,
+    checkout: Optional[tuple[str, Path, Path]] = None,
+) -> Path:
+    """Write ``.build/test-runs/<name>.json``: the base's release-test outcomes from one run.
+    ``checkout``: (source in words, patched tree, the unpatched run's JUnit XML) of a checkout's
+    run, whose name is no pin."""
     cases = release_cases(root)
     outcomes = junit_outcomes(junit) if junit.exists() else {}
     release = {n: o for n, o in sorted(outcomes.items()) if n.startswith(cases)}
+    if checkout is not None:
+        source, tree, unpatched = checkout
+        if not name.startswith(CHECKOUT_PREFIX):
+            raise UserError(f"--record {name}: a checkout's run is named {CHECKOUT_PREFIX}...")
+        before = junit_outcomes(unpatched) if unpatched.exists() else {}
+        extra = {"source": source,
+                 "unpatched_release_tests": {n: before.get(n, "deselected") for n in release}}
+        backends = flex_backends(tree)
+    else:
+        base = load_pins(root / "patches" / "pins.toml").get(name)
+        extra, backends = {"label": series_label(base, root)}, None
     record = {
         "base": name,
-        "label": series_label(base, root),
+        **extra,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "seconds": seconds,
         "exit_status": status,
@@ -137,13 +162,33 @@ def record_run(name: str, junit: Path, seconds: int, status: int, root: Path = R
         },  # fmt: skip
         "release_tests": release,
         # The flex backends the tree offers: a backend's column is n/a on a base without it.
-        "backends": sorted(flex_backends(patched_tree_dir(base, root))),
+        "backends": sorted(
+            backends if backends is not None else flex_backends(patched_tree_dir(base, root))
+        ),
     }
     out = root / RUNS_DIR / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     os.replace(tmp, out)
+    return out
+
+
+def compare_lines(record: dict) -> list[str]:
+    """A checkout's run in words: the release tests on the patched commit and, each, on the
+    commit without the series (where a retention test must fail)."""
+    now, before = record["release_tests"], record.get("unpatched_release_tests", {})
+    n = len(now)
+    passed = sum(o == "passed" for o in now.values())
+    failed_before = sorted(t for t, o in before.items() if o == "failed")
+    passed_before = sorted(t for t, o in before.items() if o == "passed")
+    lost = sorted(t for t, o in before.items() if o == "deselected")
+    out = [f"{record['base']}: {record['source']}",
+           f"  patched: {passed} of {n} release tests passed",
+           f"  unpatched: {len(failed_before)} of them failed, {len(passed_before)} passed, "
+           f"{len(lost)} not collected (the tree lacks what they test)"]  # fmt: skip
+    out += [f"    passed unpatched (no retention check): {t}" for t in passed_before]
+    out += [f"    failed patched: {t}" for t, o in sorted(now.items()) if o != "passed"]
     return out
 
 
@@ -163,15 +208,18 @@ def table(root: Path = REPO_ROOT) -> str:
     pins = load_pins(root / "patches" / "pins.toml")
     head = ["base", "source"] + list(COLUMNS) + ["last run"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, base in pins.bases.items():
-        if not (base.series_dir(root) / "series").exists():
-            continue
-        source = (
-            f"Megatron-LM `{base.branch}` `{base.commit[:12]}` ({base.version})"
-            if base.is_commit
-            else f"PyPI `{base.sdist}`"
-        )
+    runs = sorted((root / RUNS_DIR).glob(f"{CHECKOUT_PREFIX}*.json"))
+    rows_of = [(n, b) for n, b in pins.bases.items() if (b.series_dir(root) / "series").exists()]
+    for name, base in rows_of + [(p.stem, None) for p in runs]:
         record = _load(root / RUNS_DIR / f"{name}.json")
+        if base is None:
+            if record is None or "source" not in record:
+                continue
+            source = record["source"]
+        elif base.is_commit:
+            source = f"Megatron-LM `{base.branch}` `{base.commit[:12]}` ({base.version})"
+        else:
+            source = f"PyPI `{base.sdist}`"
         if record is None:
             cells = ["not run"] * len(COLUMNS)
             last = "not run"
@@ -186,10 +234,14 @@ def table(root: Path = REPO_ROOT) -> str:
                 else _cell(by_col[c])
                 for c in COLUMNS
             ]
-            stale = record["label"] != series_label(base, root)
+            stale = base is not None and record["label"] != series_label(base, root)
             last = f"{record['date']}, {record['seconds']} s" + (
                 " (stale: the series changed since)" if stale else ""
             )
+            before = record.get("unpatched_release_tests")
+            if before is not None:
+                failed = sum(o == "failed" for o in before.values())
+                last += f"; unpatched: {failed}/{len(before)} failed"
             if not record["release_tests"]:
                 cells = [f"no release tests ran (exit {record['exit_status']})"] + [""] * (
                     len(COLUMNS) - 1
@@ -199,7 +251,10 @@ def table(root: Path = REPO_ROOT) -> str:
         "Cells: release tests (`-m backport`, one case per fix) that passed / ran at the last "
         "recorded `scripts/run-tests` run of that base; ✗ names failures and skips; — none in "
         "that column; n/a: the base has no such flex backend; \"not run\": no run recorded "
-        "here. `moe_release.py matrix --update docs/compatibility.md` regenerates this table."
+        "here; `checkout-<commit12>`: a Megatron-LM checkout carrying the series "
+        "(`run-tests --checkout`), with how many of its release tests failed on the commit "
+        "without the series. `moe_release.py matrix --update docs/compatibility.md` "
+        "regenerates this table."
     )
     return "\n".join(rows) + "\n\n" + legend + "\n"
 

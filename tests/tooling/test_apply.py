@@ -31,6 +31,7 @@ MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
 TD = "megatron/core/transformer/moe/token_dispatcher.py"
 FA = "megatron/core/transformer/moe/fused_a2a.py"
 PS = "megatron/core/transformer/moe/paged_stash.py"
+PI = "megatron/core/package_info.py"
 TD_MOVED = "megatron/core/transformer/moe/dispatchers/token_dispatcher.py"
 PACKAGE_INFO = "MAJOR = 0\nMINOR = 20\nPATCH = 0\nPRE_RELEASE = ''\n"
 HELPERS = "".join(f"\n\ndef helper_{i}():\n    return {i}\n" for i in range(1, 13))
@@ -227,10 +228,11 @@ def test_a_clean_apply_commits_each_patch_on_a_new_branch(mlm):
     assert done[0].startswith(f"branch {branch} at ")
     log = _git(m, "log", "--format=%s%n%b%x00", f"{c[4]}..{branch}").split("\0")
     subjects = [entry.strip().splitlines()[0] for entry in log if entry.strip()]
-    assert subjects == ["[MoE] Keep one buffer per process group",
+    assert subjects[0].startswith("moe-release: label the build megatron-core 0.20.0+moerelease.3.")
+    assert subjects[1:] == ["[MoE] Keep one buffer per process group",
                         "[MoE] Release dispatcher state after combine",
                         "[MoE] Let the paged stash import without Triton"]  # fmt: skip
-    assert all("Forwarded: no" in e and "Signed-off-by: Test" in e for e in log if e.strip())
+    assert all("Forwarded: no" in e and "Signed-off-by: Test" in e for e in log[1:] if e.strip())
     assert _git(m, "show", f"{branch}:{TD}") == (
         DISPATCHER.replace("tokens * 1", "tokens.clone()").replace("return 12", "return 120")
         .replace("        return output\n", RELEASE + "        return output\n").rstrip("\n")
@@ -268,7 +270,7 @@ def test_a_stored_resolution_is_replayed(mlm):
     assert f"{PS}: not at REF; added later by {c[3][:12]} 2026-04-10 paged stash (#3)" in stash.note
     branch = f"moe-release/{c[1][:12]}"
     assert _git(m, "show", f"{branch}:{TD}") + "\n" == resolved
-    assert _git(m, "rev-list", "--count", f"{c[1]}..{branch}") == "2"
+    assert _git(m, "rev-list", "--count", f"{c[1]}..{branch}") == "3"  # and the label
 
 
 def test_record_stores_what_a_person_resolved(mlm, capsys):
@@ -298,8 +300,8 @@ def test_record_stores_what_a_person_resolved(mlm, capsys):
     assert _snapshot(m) == before
     _, result, _ = _apply(m, c[1], repo)
     assert _verdicts(result) == {P_STASH: NOT_APPLICABLE, P_RELEASE: REPLAYED, P_BUFFER: APPLIED}
-    assert _git(m, "rev-parse", f"moe-release/{c[1][:12]}^{{tree}}") == _git(
-        m, "rev-parse", "resolved^{tree}")  # fmt: skip
+    assert _git(m, "rev-parse", f"moe-release/{c[1][:12]}~1^{{tree}}") == _git(
+        m, "rev-parse", "resolved^{tree}")  # fmt: skip (~1: below the label commit)
     # Recorded again from the branch apply made: the same resolution, nothing written.
     _git(m, "branch", "again", f"moe-release/{c[1][:12]}")
     assert cli.main(["apply", str(m), "--ref", c[1], "--record", "again"]) == 0
@@ -344,7 +346,7 @@ def test_a_patch_already_upstream_is_landed(mlm):
     co, result, _ = _apply(m, c[5], repo)
     assert _verdicts(result) == {P_STASH: APPLIED, P_RELEASE: APPLIED, P_BUFFER: LANDED}
     assert "is 1 commit (30 days) before it" in result.choice.why
-    assert _git(m, "rev-list", "--count", f"{c[5]}..moe-release/{c[5][:12]}") == "2"
+    assert _git(m, "rev-list", "--count", f"{c[5]}..moe-release/{c[5][:12]}") == "3"
 
 
 def test_a_file_moved_since_the_base_is_merged_where_REF_has_it(mlm):
@@ -357,7 +359,7 @@ def test_a_file_moved_since_the_base_is_merged_where_REF_has_it(mlm):
     assert release.note == f"{TD} merged as {TD_MOVED}"
     branch = f"moe-release/{c[6][:12]}"
     assert RELEASE in _git(m, "show", f"{branch}:{TD_MOVED}") + "\n"
-    assert _git(m, "diff", "--name-only", c[6], branch).split() == sorted([PS, TD_MOVED])
+    assert _git(m, "diff", "--name-only", c[6], f"{branch}~1").split() == sorted([PS, TD_MOVED])
 
 
 def test_a_stale_clone_finds_the_bases_in_the_mirror(mlm, tmp_path):
@@ -417,10 +419,10 @@ def test_out_files_git_am_3_in_a_full_clone(mlm, tmp_path):
     co, result, done = _apply(m, c[2], repo, out_dir=out)
     assert result.ok and _snapshot(m) == before
     files = sorted(out.iterdir())
-    assert [f.name[:5] for f in files] == ["0001-", "0002-"]
+    assert [f.name[:5] for f in files] == ["0001-", "0002-", "0003-"]  # 0003: the label
     pre = [re.findall(r"diff --git a/(\S+) .*\nindex ([0-9a-f]{40})\.\.", f.read_text())
            for f in files]  # fmt: skip
-    assert [[p for p, _ in each] for each in pre] == [[TD], [FA]]
+    assert [[p for p, _ in each] for each in pre] == [[TD], [FA], [PI]]
     for path, blob in (pair for each in pre for pair in each):
         assert blob == _git(m, "rev-parse", f"{c[2]}:{path}")
     clone = tmp_path / "clone"

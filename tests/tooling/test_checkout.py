@@ -1,0 +1,205 @@
+"""A Megatron-LM checkout carrying the series (issue 32 items 2 and 4), on the synthetic
+Megatron-shaped repository of test_apply.py: the trees `run-tests --checkout` tests, the
+matrix row it records, and the label commit that makes `pip install` of the checkout a drop-in
+`verify` recognises."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import REPO_ROOT
+from test_apply import FA, PS, TD, _apply, _git, mlm  # noqa: F401 (mlm: a fixture)
+
+from patchtool.apply import open_checkout
+from patchtool.check import find_installed_core
+from patchtool.checkout import (
+    LABEL_SUBJECT,
+    build_checkout_trees,
+    is_checkout_manifest,
+    unpatched_commit,
+    verify_checkout_install,
+)
+from patchtool.common import UserError
+from patchtool.matrix import compare_lines, record_run, table
+from patchtool.repo import overlay_files
+from patchtool.trees import MANIFEST_PATH
+
+PLANNER = "megatron/core/transformer/moe/moe_memory_planner.py"
+# Megatron-LM's packaging, as its pyproject.toml has it (the version read from package_info.py,
+# package data from MANIFEST.in), without the C++ helper.
+PYPROJECT = """[build-system]
+requires = ["setuptools>=61"]
+build-backend = "setuptools.build_meta"
+
+[tool.setuptools]
+include-package-data = true
+
+[tool.setuptools.packages.find]
+include = ["megatron.core", "megatron.core.*"]
+
+[tool.setuptools.dynamic]
+version = { attr = "megatron.core.package_info.__version__" }
+
+[project]
+name = "megatron-core"
+dynamic = ["version"]
+requires-python = ">=3.10"
+"""
+
+
+def test_the_trees_of_an_applied_branch(mlm):  # noqa: F811
+    """The patched tree is the branch's megatron-core as committed (the work tree does not
+    matter), the unpatched one the commit below its series and label commits; both carry the
+    new modules; a commit without series commits needs --base-ref."""
+    m, c, repo = mlm
+    _apply(m, c[4], repo)
+    branch = f"moe-release/{c[4][:12]}"
+    (m / TD).write_text("a change in the work tree\n")
+    trees = build_checkout_trees(open_checkout(m), branch, None, root=repo,
+                                 line_of=lambda commit: "main")  # fmt: skip
+    head = _git(m, "rev-parse", branch)
+    assert (trees.name, trees.commit, trees.base_commit) == (f"checkout-{head[:12]}", head, c[4])
+    assert trees.patched == repo / ".build" / "trees" / trees.name / "patched"
+    assert trees.source == f"Megatron-LM `main` `{c[4][:12]}` (0.20.0) + 3 series commits"
+    for rel in (TD, FA, PS):
+        assert (trees.base / rel).read_text() == _git(m, "show", f"{c[4]}:{rel}") + "\n"
+        assert (trees.patched / rel).read_text() == _git(m, "show", f"{branch}:{rel}") + "\n"
+        assert (trees.patched / rel).read_text() != (trees.base / rel).read_text()
+    for tree in (trees.patched, trees.base):
+        assert (tree / PLANNER).read_bytes() == dict(overlay_files(repo))[PLANNER]
+    assert "+moerelease.3." in (trees.patched / "megatron/core/package_info.py").read_text()
+    assert (trees.patched / MANIFEST_PATH).exists() and not (trees.base / MANIFEST_PATH).exists()
+    with pytest.raises(UserError, match="carries no series commit on top.*--base-ref REF0"):
+        build_checkout_trees(open_checkout(m), c[5], None, root=repo)
+    named = build_checkout_trees(open_checkout(m), c[5], c[4], root=repo)
+    assert named.base_commit == c[4] and named.source.endswith(f", patched: `{c[5][:12]}`")
+
+
+def test_the_unpatched_commit_is_below_the_series_and_the_label():
+    subjects = {"Release dispatcher state after combine"}
+    log = [
+        ("L", LABEL_SUBJECT + "0.20.0+moerelease.1.x"),
+        ("P", "Release dispatcher state after combine"),
+        ("B", "upstream"),
+        ("A", "older"),
+    ]
+    assert unpatched_commit(log, subjects) == ("B", 1)
+    assert unpatched_commit(
+        [("P", "[MoE] Release dispatcher state after combine")] + log[2:], subjects
+    ) == ("B", 1)  # git am's subject keeps or drops the tag
+    with pytest.raises(UserError, match="carries no series commit"):
+        unpatched_commit(log[2:], subjects)
+
+
+def _junit(path: Path, cases: dict) -> None:
+    body = "".join(
+        f'<testcase classname="tests.unit_tests.transformer.moe.test_dispatcher_state_release" '
+        f'name="{name}" time="1">{inner}</testcase>'
+        for name, inner in cases.items()
+    )
+    path.write_text(f'<?xml version="1.0"?><testsuites><testsuite>{body}</testsuite></testsuites>')
+
+
+def test_a_checkout_run_is_a_matrix_row_with_the_unpatched_outcomes(tmp_path, repo):
+    """run-tests --checkout records checkout-<commit12> with its source and, per release test,
+    its outcome without the series: the row says how many failed there, and the words name a
+    test that passed there (it checks no retention)."""
+    (repo / "tests" / "unit_tests").mkdir(parents=True)
+    shutil.copy(REPO_ROOT / "tests/unit_tests/conftest.py", repo / "tests/unit_tests/conftest.py")
+    retention = "test_nothing_of_the_forward_outlives_backward[flex-hybridep-ep2-x]"
+    equal = "test_bitwise_equal_to_base[flex-hybridep-ep2-x]"
+    gone = "test_nothing_of_the_forward_outlives_backward[alltoall-dropless-ep2-x]"
+    _junit(tmp_path / "p.xml", {retention: "", equal: "", gone: ""})
+    _junit(tmp_path / "u.xml", {retention: '<failure message="held"/>', equal: ""})
+    tree = tmp_path / "tree"
+    (tree / "megatron/core/transformer").mkdir(parents=True)
+    (tree / "megatron/core/transformer/transformer_config.py").write_text(
+        "class TransformerConfig:\n    moe_flex_dispatcher_backend: Literal['deepep', "
+        "'hybridep', 'ncclep'] = 'deepep'\n"
+    )
+    source = "Megatron-LM `main` `313f6e95db41` (0.20.0) + 11 series commits"
+    path = record_run("checkout-4ad697b581ec", tmp_path / "p.xml", 99, 0, root=repo,
+                      checkout=(source, tree, tmp_path / "u.xml"))  # fmt: skip
+    record = json.loads(path.read_text())
+    (row,) = [line for line in table(root=repo).splitlines() if "`checkout-4ad697b581ec`" in line]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == source and cells[2] == "✓ 2/2" and cells[5] == "—"  # ncclep: none ran
+    assert cells[10].endswith(", 99 s; unpatched: 1/3 failed")
+    words = compare_lines(record)
+    assert words[1:3] == ["  patched: 3 of 3 release tests passed",
+                          "  unpatched: 1 of them failed, 1 passed, 1 not collected (the tree "
+                          "lacks what they test)"]  # fmt: skip
+    assert words[3].endswith(equal)
+    with pytest.raises(UserError, match="a checkout's run is named checkout-"):
+        record_run("mine", tmp_path / "p.xml", 1, 0, root=repo,
+                   checkout=(source, tree, tmp_path / "u.xml"))  # fmt: skip
+
+
+def _pip(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", *args],
+                          capture_output=True, text=True, cwd="/")  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return done.stdout
+
+
+@pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs to run in a venv")
+def test_pip_install_of_the_branch_is_the_labelled_drop_in(mlm, tmp_path):  # noqa: F811
+    """apply's last commit labels the build: pip install of the branch (Megatron-LM's
+    packaging: the version from package_info.py, a VCS suffix computed there overridden)
+    installs <version>+moerelease.3.HASH with the manifest, and verify recognises it; a file
+    changed after the install, or a series changed since, is a mismatch."""
+    m, c, repo = mlm
+    _, result, done = _apply(m, c[4], repo)
+    version = result.version
+    assert version.startswith("0.20.0+moerelease.3.") and version in done[-1]
+    clone = tmp_path / "clone"
+    _git(tmp_path, "clone", "--quiet", "--branch", f"moe-release/{c[4][:12]}", str(m), str(clone))
+    assert _git(clone, "log", "-1", "--format=%s") == LABEL_SUBJECT + version
+    assert f"include {MANIFEST_PATH}" in (clone / "MANIFEST.in").read_text()
+    (clone / "pyproject.toml").write_text(PYPROJECT)  # a Megatron-LM checkout has it
+    env = dict(os.environ, NO_VCS_VERSION="0")  # package_info.py's git suffix, as users build
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "--wheel-dir", str(tmp_path / "dist"), str(clone)],
+        capture_output=True, text=True, env=env, cwd="/",
+    )  # fmt: skip
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("megatron_core-*.whl")
+    assert wheel.name.startswith(f"megatron_core-{version}-")
+    with zipfile.ZipFile(wheel) as zf:
+        assert MANIFEST_PATH in zf.namelist() and PLANNER in zf.namelist()
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    _pip("--python", python, "install", "--no-deps", str(wheel))
+    core, dist_version = find_installed_core(python)
+    assert dist_version == version
+    manifest = json.loads((core / "_moe_release_manifest.json").read_text())
+    assert is_checkout_manifest(manifest) and manifest["base"]["commit"] == c[4]
+    assert set(manifest["files"]) >= {TD, FA, PS, PLANNER, "megatron/core/package_info.py"}
+    assert verify_checkout_install(core, dist_version, manifest, root=repo) == []
+    probe = "import megatron.core.package_info as p; print(p.__version__)"
+    out = subprocess.run([python, "-c", probe], capture_output=True, text=True, cwd="/")
+    assert out.stdout.strip() == version
+    # A file replaced after the install, a series changed since: both named.
+    (core / "transformer/moe/fused_a2a.py").write_text("# replaced\n")
+    sdir = repo / "patches" / "upstream" / "main"
+    name = sorted(sdir.glob("*.patch"))[0]
+    name.write_bytes(name.read_bytes().replace(b"Body.", b"Body, edited."))
+    problems = verify_checkout_install(core, dist_version, manifest, root=repo)
+    assert f"{FA}: differs from the series" in problems
+    assert any(p.startswith("built from another series than this repository's: label "
+                            "moerelease.3.") for p in problems)  # fmt: skip
+
+
+def test_no_label_leaves_the_checkouts_packaging_as_it_was(mlm):  # noqa: F811
+    m, c, repo = mlm
+    _, result, _ = _apply(m, c[4], repo, label=False)
+    branch = f"moe-release/{c[4][:12]}"
+    assert result.version is None
+    assert _git(m, "diff", "--name-only", c[4], branch).split() == sorted([TD, FA, PS])
