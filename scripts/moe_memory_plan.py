@@ -1,26 +1,28 @@
 #!/usr/bin/env python3
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
-"""The MoE memory planner's command from this repository: the overlay module
-``megatron/core/transformer/moe/moe_memory_planner.py`` (standard library only), loaded by path,
-so it runs without a materialized tree. Installed, the same command is
-``python -m megatron.core.transformer.moe.moe_memory_planner``. ``--help`` says what each
-argument (Megatron's names) is, its default and its unit, and marks the required ones."""
+"""The MoE memory planner's command: every MoE memory term of a configuration on one rank,
+unpatched megatron-core beside patched, as a table or ``--json``. Its logic is the
+``memory_plan`` package beside this file; the pricing is the overlay module
+``megatron/core/transformer/moe/moe_memory_planner.py`` (standard library only; it ships in the
+patched megatron-core as a function, ``estimate``), loaded by path, so the command runs without
+a materialized tree. ``--help`` says what each argument (Megatron's names) is, its default and
+its unit, and marks the required ones."""
 
-import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
-MODULE = Path(__file__).resolve().parents[1] / "megatron/core/transformer/moe/moe_memory_planner.py"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from memory_plan.cli import main  # noqa: E402
+from memory_plan.pricing import planner  # noqa: E402
 
 
-def load_planner():
-    """The planner module, by file path."""
-    spec = importlib.util.spec_from_file_location("moe_memory_planner", MODULE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load_planner() -> ModuleType:
+    """The pricing module (the overlay's ``moe_memory_planner``, loaded by path once)."""
+    return planner
 
 
 if __name__ == "__main__":
-    sys.exit(load_planner().main())
+    sys.exit(main())

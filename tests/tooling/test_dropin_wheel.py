@@ -67,6 +67,8 @@ def test_pip_install_replaces_upstream_and_verify_tells_them_apart(venv):
     assert out.returncode == 0, out.stderr[-2000:]
     got_version, got_file = out.stdout.strip().splitlines()[-2:]
     assert got_version == version and got_file.startswith(str(venv.parent.parent))
+    # The memory planner's API, imported from the installed package, prices a configuration.
+    _installed_planner_prices_seed_000(venv)
     # verify: OK for the overlay ...
     script = str(REPO_ROOT / "scripts" / "moe_release.py")
     result = subprocess.run(
@@ -82,6 +84,56 @@ def test_pip_install_replaces_upstream_and_verify_tells_them_apart(venv):
     assert result.returncode == 1 and result.stdout.startswith("MISMATCH:")
     assert "installed distribution is megatron-core 0.19.2, expected" in result.stdout
     assert "megatron/core/transformer/moe/paged_stash.py: differs from the series" in result.stdout
+
+
+# Seed 000's MoE layer as TransformerConfig's fields: H=2048, 256 experts top-8, 8 layers,
+# EP2, HybridEP, the MoE layer recomputed, bf16; 105,153 tokens on the rank.
+SEED_000 = dict(
+    num_layers=8, hidden_size=2048, num_attention_heads=16, num_moe_experts=256,
+    moe_router_topk=8, expert_model_parallel_size=2, moe_token_dispatcher_type="flex",
+    moe_flex_dispatcher_backend="hybridep", recompute_granularity="selective",
+    recompute_modules=["moe"], bf16=True,
+)  # fmt: skip
+PRICE_SEED_000 = """
+import json, sys, warnings
+warnings.simplefilter("ignore")
+import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.moe.moe_memory_planner import estimate
+config = TransformerConfig(**json.loads(sys.argv[1]), params_dtype=torch.bfloat16)
+installed, base = estimate(config, 105153), estimate(config, 105153, releases=False)
+print(json.dumps(dict(
+    file=sys.modules[estimate.__module__].__file__, releases=installed.releases,
+    buffer_bytes=installed.buffer_bytes, state=installed.dispatcher_state_bytes,
+    terms={t.name: t.nbytes for t in installed.buffers}, base_state=base.dispatcher_state_bytes,
+)))
+"""
+
+
+def _installed_planner_prices_seed_000(python: Path) -> None:
+    """``estimate`` from the wheel's megatron-core, on a real TransformerConfig: the buffer terms
+    worked by hand from deep_ep's source (test_moe_memory_planner.py's seed-000 test), no
+    dispatcher state (the installed tree releases it), and, priced as a tree that keeps it,
+    the repository's base column for the same configuration."""
+    from memory_plan.compare import plan
+    from memory_plan.pricing import planner
+
+    done = subprocess.run(
+        [str(python), "-c", PRICE_SEED_000, json.dumps(SEED_000)], capture_output=True, text=True,
+        cwd="/", env={"PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["file"].startswith(str(python.parent.parent)), got["file"]
+    assert got["releases"] is True and got["state"] == 0
+    n = 105216 * 2  # rows: 105,153 tokens rounded up to the 64-token combine chunk, x 2 ranks
+    assert got["terms"]["combine tokens (N x H, 16-bit)"] == n * 2048 * 2
+    assert got["terms"]["combine probs (N x E_nvl, fp32)"] == n * 256 * 4
+    assert got["buffer_bytes"] == 1_144_889_280
+    fields = {k: v for k, v in SEED_000.items() if k != "num_attention_heads"}
+    report = plan(planner.MoEMemoryConfig(**fields, tokens_per_rank=105153))["totals"]
+    assert got["buffer_bytes"] == report["buffers_outside_allocator"]
+    assert got["base_state"] == report["retained_between_calls_base"] == 9_079_448_320
 
 
 def _backport_bases() -> list:

@@ -1,26 +1,29 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
-"""MoE memory planner: what the MoE token dispatchers will hold, predicted from the model and
-parallel configuration before anything is allocated.
+"""MoE memory planner: what the MoE token dispatchers of one rank will hold, priced from the
+model and parallel configuration before anything is allocated.
 
-Planners (an admission check, a memory estimator) need two numbers that neither
-``torch.cuda.memory_allocated`` nor a learned peak gives them in advance:
+Admission checks and memory estimators (ART's trainer, Megatron-Bridge's estimator) need two
+numbers that neither ``torch.cuda.memory_allocated`` nor a learned peak gives them in advance:
 
 * **the communication buffers** of the flex dispatcher, allocated outside PyTorch's caching
-  allocator by DeepEP's kernels: :func:`hybridep_buffer_terms` (HybridEP, intranode NVLink and
-  multi-node RDMA) and :func:`deepep_buffer_terms` (DeepEP normal mode), term by term, each
-  citing the line of deep_ep's source that allocates it;
-* **the dispatcher state an unpatched megatron-core keeps alive between calls**, per MoE
-  layer: :func:`retained_state_terms` (routing map, probabilities, the dispatch handle and the
-  autograd graph the differentiable dispatched probabilities pin). megatron-core with this
-  series releases it after combine and keeps nothing.
+  allocator by the kernels: :func:`hybridep_buffer_terms` (HybridEP, intranode NVLink and
+  multi-node RDMA), :func:`deepep_buffer_terms` (DeepEP normal mode),
+  :func:`deepep_v2_buffer_terms` and :func:`nccl_ep_terms`, term by term, each citing the
+  source line that allocates it;
+* **the dispatcher state kept between calls**, per MoE layer: :func:`retained_state_terms`
+  (routing map, probabilities, the dispatch handle and the autograd graph the differentiable
+  dispatched probabilities pin), held by a megatron-core whose dispatchers do not release it
+  after combine. megatron-core with moe-release's series releases it and keeps nothing.
 
-:func:`plan` puts the terms of a configuration together, base beside patched; :func:`main`
-is the command (``python -m megatron.core.transformer.moe.moe_memory_planner``), taking
-Megatron's own argument names or a Megatron-Bridge style YAML. Its input is strict: a key or
-flag within typo distance of a known one, a value of the wrong kind, or a configuration the
-kernels or megatron refuse is one line naming it (and the refusing source line), exit status 2;
-deprecated fields megatron still accepts are read, with a note.
+:func:`estimate` is the entry point: a ``TransformerConfig`` (or a Mapping of its field names)
+and the tokens per rank to a :class:`MoEMemoryEstimate`, every term with its bytes, where it
+lives, the source line that sizes it and whether a release frees it. The dispatcher state is
+that of the *installed* megatron-core: :func:`installed_tree_releases` reads from its code
+whether its dispatchers release after combine. Invalid input or a configuration the kernels
+refuse is a ValueError naming the field (and the refusing source line). The command that
+prints a configuration's terms, unpatched megatron-core beside patched, from flags or a
+Megatron-Bridge YAML, is moe-release's ``scripts/moe_memory_plan.py``; this module has none.
 
 Sources. deep_ep is read at ``DEEP_EP_COMMIT``, the head of its ``hybrid-ep`` branch; the commit
 megatron-core's CI pins (``de0dd11``) was not available to read, so where the two differ these
@@ -28,34 +31,33 @@ figures follow ``DEEP_EP_COMMIT``. Two terms depend on that: the unused all-gath
 (``enable_custom_allgather`` defaults to False at ``DEEP_EP_COMMIT``) and the rounding of rows
 to the combine chunk (since deep_ep 4214430). DeepEP's normal mode is also priced at DeepEP
 main (``DEEP_EP_MAIN_COMMIT``, 2.1.0: other dispatch/combine configs, EP 48 and 96) when
-``deep_ep="main"`` is chosen; the plan names the source it priced. Configurations the kernels
-refuse (HybridEP's ``BufferConfig::is_valid``, DeepEP's group sizes and SM count) are refused
-here with the line that refuses them, and HybridEP's chunk-size environment variables are read
-as deep_ep reads them (``atoi``, default 64) for every term they size. megatron-core call sites
-are cited as in megatron-core 0.19.2. Terms marked approximate (the DOCA queue pairs of
-multi-node HybridEP) come from a stored NCCL version, not deep_ep's submodule pin. Not modelled:
-NVSHMEM's own memory (DeepEP across more than 8 ranks), the cuMem fabric granularity, NCCL
-communicators, DeepEP's low-latency mode, NCCL EP's leaked device communicator (one cuMem granule
-per bootstrap), and (for the retained state) capacity-factor routing (drop-and-pad keeps other
-shapes) and the DeepEP v2 and NCCL EP backends, whose buffers are priced
-(:func:`deepep_v2_buffer_terms` at ``DEEP_EP_V2_COMMIT``, :func:`nccl_ep_terms` at
-``NCCL_EP_COMMIT``) but whose retained state is not. Nor are the MoE layers of MTP, the
-per-expert padding of routed rows for FP8, or the kernels' limits that depend on the device
-(its SM count, shared memory); the command notes such fields when they are set.
+``deep_ep="main"`` is chosen; the estimate names the source it priced. Configurations the
+kernels refuse (HybridEP's ``BufferConfig::is_valid``, DeepEP's group sizes and SM count) are
+refused here with the line that refuses them, and HybridEP's chunk-size environment variables
+are read as deep_ep reads them (``atoi``, default 64) for every term they size. megatron-core
+call sites are cited as in megatron-core 0.19.2. Terms marked approximate (the DOCA queue pairs
+of multi-node HybridEP) come from a stored NCCL version, not deep_ep's submodule pin.
 
-Imports only the standard library.
+Not modelled: NVSHMEM's own memory (DeepEP across more than 8 ranks), the cuMem fabric
+granularity, NCCL communicators, DeepEP's low-latency mode, NCCL EP's leaked device
+communicator (one cuMem granule per bootstrap), capacity-factor routing (drop-and-pad keeps
+other shapes; the terms are dropless), the retained state of the DeepEP v2 and NCCL EP backends
+(their buffers are priced, :func:`deepep_v2_buffer_terms` at ``DEEP_EP_V2_COMMIT``,
+:func:`nccl_ep_terms` at ``NCCL_EP_COMMIT``), the MoE layers of MTP, the per-expert padding of
+routed rows for FP8, the kernels' limits that depend on the device (its SM count, shared
+memory), and everything outside the dispatchers (activations, weights, optimizer state).
+
+Imports only the standard library (:func:`installed_tree_releases` imports the installed
+megatron-core when called).
 """
 
-import argparse
 import ast
-import difflib
-import json
 import math
 import os
 import re
 import sys
-from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass, fields
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 DEEP_EP_COMMIT = "94a9f8f6b146c07d97ec58f67cd6d303296d6098"
 # DeepEP main (2.1.0): normal-mode DeepEP only (no HybridEP); its dispatch and combine configs
@@ -1152,6 +1154,7 @@ def _real(value) -> bool:
 
 MAX_PATTERN_LAYERS = 1 << 20  # a moe_layer_freq pattern longer than this is no model's
 GPT_LAYER_SPECS = "megatron/core/models/gpt/gpt_layer_specs.py"
+TRANSFORMER_CONFIG = "megatron/core/transformer/transformer_config.py"
 
 
 def _eval_pattern(text: str) -> list:
@@ -1474,673 +1477,246 @@ def measured_retained_bytes(dispatcher) -> int:
     return probe.attribute_layer("layer", dispatcher).pinned_bytes
 
 
-def plan(cfg: MoEMemoryConfig, held_rows: Optional[int] = None) -> Dict[str, object]:
-    """Every MoE memory term of ``cfg`` on one rank, base (unpatched megatron-core) beside
-    patched (this series), as one JSON-able dict; for HybridEP also what a call grows against
-    a buffer of ``held_rows`` per rank already held. A configuration the kernels refuse is a
-    ValueError citing the line that refuses it (:func:`kernel_refusal`)."""
-    refusal = kernel_refusal(cfg)
-    if refusal:
-        raise ValueError(refusal)
-    shape = layer_shape(cfg)
-    flex = cfg.moe_token_dispatcher_type == "flex"
-    backend = cfg.moe_flex_dispatcher_backend if flex else None
-    buffers = buffer_terms(cfg)
-    group = cfg.group_size if flex else cfg.expert_model_parallel_size
-    nodes = max(group // cfg.ranks_per_node, 1)
-    modelled = backend in (None,) + BACKENDS
-    if modelled:
-        retained = retained_state_terms(shape, cfg.moe_token_dispatcher_type, backend, nodes)
-        chain = retained_chain_terms(shape, cfg.moe_token_dispatcher_type, backend)
-    else:  # DeepEP v2 and NCCL EP: the buffers are priced, the retained state is not modelled
-        retained, chain = [], []
-    layers = cfg.moe_layers_per_rank
-    per_layer = total(retained) if modelled else None
-    out = {
-        "config": dict(asdict(cfg), recompute_modules=list(cfg.recompute_modules)),
-        "derived": {
-            "tokens_per_rank": cfg.tokens,
-            "dispatcher_group": group,
-            "local_experts": shape.local_experts,
-            "expert_columns": shape.experts,
-            "routed_rows": shape.routed_rows,
-            "moe_layers_per_rank": layers,
-            "moe_layers_per_pipeline_rank": cfg.rank_moe_layers(),
-            "recompute": shape.recompute,
-            "deep_ep_source": cfg.deep_ep,
-            "deep_ep_commit": DEEP_EP_SOURCES[cfg.deep_ep],
-            "deep_ep_v2_commit": DEEP_EP_V2_COMMIT,
-            "nccl_ep_commit": NCCL_EP_COMMIT,
-        },
-        "buffers": [asdict(t) for t in buffers],
-        "retained_per_layer": [asdict(t) for t in retained],
-        "retained_per_layer_but_the_last": [asdict(t) for t in chain],
-        "totals": {
-            "buffers_outside_allocator": total(buffers, OUTSIDE),
-            "buffers_pinned_host": total(buffers, HOST),
-            "buffers_released": released_bytes(buffers),
-            "retained_per_layer_base": per_layer,
-            "retained_per_layer_patched": 0 if modelled else None,
-            "retained_between_calls_base": (
-                per_layer * layers + total(chain) * max(layers - 1, 0) if modelled else None
-            ),
-            "retained_between_calls_patched": 0 if modelled else None,
-        },
-    }
-    if flex and backend == "hybridep":
-        out["derived"]["hybridep_rows"] = hybridep_rows(cfg.tokens)
-        out["per_call"] = per_call_bytes(cfg)
-        out["growth"] = hybridep_growth(cfg, held_rows)
-    out["expert_working_set"] = expert_working_set(cfg)
-    return out
-
-
 # --------------------------------------------------------------------------------------------
-# The command
+# The installed tree, and the public estimate
+
+
+# The dispatcher classes of megatron/core/transformer/moe/token_dispatcher.py, by
+# moe_token_dispatcher_type.
+DISPATCHER_CLASSES = {
+    "allgather": "MoEAllGatherTokenDispatcher",
+    "alltoall": "MoEAlltoAllTokenDispatcher",
+    "flex": "MoEFlexTokenDispatcher",
+}
+# The hook a releasing tree's dispatchers call at the end of combine_postprocess (megatron-core
+# with moe-release's series; upstream's dev branch has reset_transient_forward_state() but does
+# not call it after combine).
+RELEASE_HOOK = "_maybe_reset_transient_forward_state"
+
+
+def installed_tree_releases(dispatcher_type: str) -> bool:
+    """Whether the installed megatron-core's dispatcher of ``dispatcher_type`` (allgather,
+    alltoall, flex) releases its per-forward state once combine is done: its
+    ``combine_postprocess`` calls ``_maybe_reset_transient_forward_state``. Read from the
+    installed code (imports ``megatron.core.transformer.moe.token_dispatcher``, and so torch);
+    nothing is built or run."""
+    import inspect
+
+    from megatron.core.transformer.moe import token_dispatcher
+
+    if dispatcher_type not in DISPATCHER_CLASSES:
+        raise ValueError(
+            f"moe_token_dispatcher_type: {dispatcher_type!r} is not one of "
+            f"{', '.join(DISPATCHER_CLASSES)}"
+        )
+    cls = getattr(token_dispatcher, DISPATCHER_CLASSES[dispatcher_type])
+    code = getattr(inspect.unwrap(cls.combine_postprocess), "__code__", None)
+    return code is not None and RELEASE_HOOK in code.co_names
 
 
 @dataclass(frozen=True)
-class Arg:
-    """One command-line argument: its flag (Megatron's name where Megatron has one) and help."""
+class MoEMemoryEstimate:
+    """What the MoE layers of one rank hold, term by term (:func:`estimate`).
 
-    flag: str
-    help: str
-    metavar: str = "INT"
+    Attributes:
+        config: the configuration priced (TransformerConfig's field names).
+        buffers: the flex dispatcher's communication buffers, one :class:`Term` each (bytes,
+            where they live: ``OUTSIDE`` PyTorch's allocator or ``HOST`` pinned memory, the
+            source line that sizes them, whether a release of the buffers frees them); empty
+            for the all-gather and all-to-all dispatchers. Allocated at the first dispatch, held
+            until released; one set per rank, whatever the number of layers.
+        buffer_source: the source and commit the buffer terms were read from.
+        releases: whether the tree priced releases its dispatchers' per-forward state after
+            combine (megatron-core with moe-release's series) or keeps it between calls.
+        dispatcher_state: what one MoE layer's dispatcher keeps between calls, in PyTorch's
+            allocator (or pinned host memory): empty where the tree releases it; None where it
+            is not modelled (the DeepEP v2 and NCCL EP backends).
+        dispatcher_state_chain: without recompute, what a later layer's retained graph adds
+            through each earlier layer's combine (every MoE layer but the last).
+        moe_layers: MoE layers of the pipeline rank that builds the most.
+    """
+
+    config: MoEMemoryConfig
+    buffers: Tuple[Term, ...]
+    buffer_source: str
+    releases: bool
+    dispatcher_state: Optional[Tuple[Term, ...]]
+    dispatcher_state_chain: Tuple[Term, ...]
+    moe_layers: int
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Device bytes of the communication buffers, outside PyTorch's allocator."""
+        return total(self.buffers, OUTSIDE)
+
+    @property
+    def buffer_pinned_host_bytes(self) -> int:
+        """Pinned host bytes of the communication buffers."""
+        return total(self.buffers, HOST)
+
+    @property
+    def buffer_released_bytes(self) -> int:
+        """Bytes (device and pinned host) a release of the buffers gives back."""
+        return released_bytes(self.buffers)
+
+    @property
+    def dispatcher_state_bytes_per_layer(self) -> Optional[int]:
+        """Bytes one MoE layer's dispatcher keeps between calls (None: not modelled)."""
+        return None if self.dispatcher_state is None else total(self.dispatcher_state)
+
+    @property
+    def dispatcher_state_bytes(self) -> Optional[int]:
+        """Bytes every MoE layer of the rank keeps between calls (None: not modelled)."""
+        per_layer = self.dispatcher_state_bytes_per_layer
+        if per_layer is None:
+            return None
+        chain = total(self.dispatcher_state_chain) * max(self.moe_layers - 1, 0)
+        return per_layer * self.moe_layers + chain
 
 
-# MoEMemoryConfig field -> its argument; the help says what it is, its default and its unit.
-ARGS = {
-    "hidden_size": Arg("--hidden-size", "hidden size H, elements per token"),
-    "num_moe_experts": Arg("--num-experts", "routed experts of an MoE layer"),
-    "moe_router_topk": Arg("--moe-router-topk", "experts each token is routed to"),
-    "num_layers": Arg("--num-layers", "transformer layers of the model, all pipeline stages"),
-    "seq_length": Arg(
-        "--seq-length", "tokens per sequence (no default: needed unless --tokens-per-rank)"
-    ),
-    "micro_batch_size": Arg("--micro-batch-size", "sequences per micro-batch (default 1)"),
-    "tensor_model_parallel_size": Arg("--tensor-model-parallel-size", "TP, ranks (default 1)"),
-    "context_parallel_size": Arg("--context-parallel-size", "CP, ranks (default 1)"),
-    "pipeline_model_parallel_size": Arg(
-        "--pipeline-model-parallel-size",
-        "PP, ranks (default 1); without a layout, PP x VPP must divide --num-layers",
-    ),
-    "virtual_pipeline_model_parallel_size": Arg(
-        "--num-virtual-stages-per-pipeline-rank",
-        "VPP, virtual stages per pipeline rank (default: none; with a layout, from it)",
-    ),
-    "num_layers_in_first_pipeline_stage": Arg(
-        "--decoder-first-pipeline-num-layers",
-        "layers of the first pipeline stage (default: an even split)",
-    ),
-    "num_layers_in_last_pipeline_stage": Arg(
-        "--decoder-last-pipeline-num-layers",
-        "layers of the last pipeline stage (default: an even split)",
-    ),
-    "pipeline_model_parallel_layout": Arg(
-        "--pipeline-model-parallel-layout",
-        "megatron's layout string, e.g. 'Et*4|(tttt|)*14,tmL' (E embedding, t decoder, m MTP, "
-        "L loss; '|' between stages; default: layers split evenly over PP x VPP)",
-        "LAYOUT",
-    ),
-    "expert_model_parallel_size": Arg("--expert-model-parallel-size", "EP, ranks (default 1)"),
-    "expert_tensor_parallel_size": Arg(
-        "--expert-tensor-parallel-size", "ETP, ranks (default: TP); the flex group is ETP x EP"
-    ),
-    "moe_layer_freq": Arg(
-        "--moe-layer-freq",
-        "which layers are MoE: N (every Nth layer from layer 0), or a pattern of one 0/1 per "
-        "layer such as '([0]*3+[1]*58)' (default 1: every layer)",
-        "N|PATTERN",
-    ),
-    "moe_token_dispatcher_type": Arg(
-        "--moe-token-dispatcher-type", "allgather, alltoall or flex (default allgather)", "TYPE"
-    ),
-    "moe_flex_dispatcher_backend": Arg(
-        "--moe-flex-dispatcher-backend",
-        "flex backend: deepep, hybridep, deepepv2 or ncclep (default deepep)",
-        "BACKEND",
-    ),
-    "moe_flex_dispatcher_num_sms": Arg(
-        "--moe-flex-dispatcher-num-sms",
-        "SMs of the flex kernels (default: DeepEP 20, even; HybridEP 8 per direction across "
-        "nodes, where its queue pairs scale with it)",
-    ),
-    "moe_hybridep_num_sms_preprocessing": Arg(
-        "--moe-hybridep-num-sms-preprocessing", "HybridEP preprocessing blocks (default 108)"
-    ),
-    "moe_router_dtype": Arg(
-        "--moe-router-dtype", "router probabilities: fp32 or fp64 (default: the model's)", "DTYPE"
-    ),
-    "moe_expert_rank_capacity_factor": Arg(
-        "--moe-expert-rank-capacity-factor",
-        "NCCL EP receive capacity, a multiple of tokens x top-k (default: none, eager sizing)",
-        "FACTOR",
-    ),
-    "recompute_granularity": Arg(
-        "--recompute-granularity", "selective or full (default: no recompute)", "GRANULARITY"
-    ),
-    "recompute_modules": Arg(
-        "--recompute-modules",
-        "modules selective recompute reruns; 'moe' reruns the MoE layer (default core_attn)",
-        "MODULE",
-    ),
-    "tokens_per_rank": Arg(
-        "--tokens-per-rank",
-        "T, tokens an MoE layer's dispatcher gets per call on a rank "
-        "(default: seq x micro-batch / (TP x CP), sequence parallel)",
-    ),
-    "ranks_per_node": Arg(
-        "--ranks-per-node",
-        "ranks of one NVLink domain (default 8: an HGX node; GB200: 72; HybridEP: "
-        "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN when set)",
-    ),
-    "routed_rows_factor": Arg(
-        "--routed-rows-factor",
-        "rows a rank's experts receive, as a multiple of balanced routing T x top-k "
-        "(default 1.0; above 0, at most EP)",
-        "FACTOR",
-    ),
-    "deep_ep": Arg(
-        "--deep-ep",
-        f"deep_ep source priced: hybrid-ep (branch head {DEEP_EP_COMMIT[:7]}: HybridEP and "
-        f"DeepEP; default) or main (DeepEP 2.1.0, {DEEP_EP_MAIN_COMMIT[:7]}: DeepEP only, its "
-        "own configs, EP 48 and 96 too)",
-        "SOURCE",
-    ),
-}
-REQUIRED = ("hidden_size", "num_moe_experts", "moe_router_topk", "num_layers")
-# Command-line flag (Megatron's argument names) -> MoEMemoryConfig field.
-FLAGS = {arg.flag: name for name, arg in ARGS.items()}
-FIELD_FLAGS = {field_name: flag for flag, field_name in FLAGS.items()}
-# The flags build_parser adds beside ARGS, named as megatron names them.
-FIELD_FLAGS.update({name: "--" + name.replace("_", "-") for name in (
-    "num_layers_per_virtual_pipeline_stage", "sequence_parallel", "moe_ncclep_zero_copy",
-    "moe_permute_fusion_into_hybridep", "account_for_embedding_in_pipeline_split",
-    "account_for_loss_in_pipeline_split",
-)})  # fmt: skip
-INT_FIELDS = {
-    "hidden_size", "num_moe_experts", "moe_router_topk", "num_layers", "seq_length",
-    "micro_batch_size", "tensor_model_parallel_size", "context_parallel_size",
-    "pipeline_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
-    "moe_flex_dispatcher_num_sms", "moe_hybridep_num_sms_preprocessing",
-    "tokens_per_rank", "ranks_per_node", "virtual_pipeline_model_parallel_size",
-    "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
-}  # fmt: skip
-FLOAT_FIELDS = ("routed_rows_factor", "moe_expert_rank_capacity_factor")
-BOOL_KEYS = (
-    "bf16", "fp16", "moe_ncclep_zero_copy", "moe_enable_deepep", "moe_layer_recompute",
-    "moe_permute_fusion_into_hybridep",
-    "sequence_parallel", "account_for_embedding_in_pipeline_split",
-    "account_for_loss_in_pipeline_split",
+def buffer_source(cfg: MoEMemoryConfig) -> str:
+    """The source and commit ``cfg``'s buffer terms are read from ("" without buffers)."""
+    if cfg.moe_token_dispatcher_type != "flex":
+        return ""
+    backend = cfg.moe_flex_dispatcher_backend
+    if backend == "deepepv2":
+        return f"DeepEP epv2-release {DEEP_EP_V2_COMMIT}"
+    if backend == "ncclep":
+        return f"NCCL EP nccl-extensions {NCCL_EP_COMMIT}"
+    return f"deep_ep {cfg.deep_ep} {DEEP_EP_SOURCES[cfg.deep_ep]}"
+
+
+def estimate_config(cfg: MoEMemoryConfig, releases: Optional[bool] = None) -> MoEMemoryEstimate:
+    """:func:`estimate` of a :class:`MoEMemoryConfig`. ``releases`` None: read from the
+    installed megatron-core (:func:`installed_tree_releases`)."""
+    refusal = kernel_refusal(cfg)
+    if refusal:
+        raise ValueError(refusal)
+    dispatcher = cfg.moe_token_dispatcher_type
+    if releases is None:
+        releases = installed_tree_releases(dispatcher)
+    flex = dispatcher == "flex"
+    backend = cfg.moe_flex_dispatcher_backend if flex else None
+    state: Optional[Tuple[Term, ...]] = None
+    chain: Tuple[Term, ...] = ()
+    if backend in (None,) + BACKENDS:
+        state = ()
+        if not releases:
+            shape = layer_shape(cfg)
+            group = cfg.group_size if flex else cfg.expert_model_parallel_size
+            nodes = max(group // cfg.ranks_per_node, 1)
+            state = tuple(retained_state_terms(shape, dispatcher, backend, nodes))
+            chain = tuple(retained_chain_terms(shape, dispatcher, backend))
+    return MoEMemoryEstimate(
+        config=cfg,
+        buffers=tuple(buffer_terms(cfg)),
+        buffer_source=buffer_source(cfg),
+        releases=releases,
+        dispatcher_state=state,
+        dispatcher_state_chain=chain,
+        moe_layers=cfg.moe_layers_per_rank,
+    )
+
+
+# TransformerConfig fields the estimate reads; any other field of the config is not read.
+CONFIG_FIELDS = tuple(
+    f.name
+    for f in fields(MoEMemoryConfig)
+    if f.name not in ("tokens_per_rank", "seq_length", "micro_batch_size", "ranks_per_node",
+                      "routed_rows_factor", "deep_ep", "bf16")
 )  # fmt: skip
-# Megatron's argument names for TransformerConfig fields (arguments.py).
-YAML_ALIASES = {
-    "num_experts": "num_moe_experts",
-    "num_virtual_stages_per_pipeline_rank": "virtual_pipeline_model_parallel_size",
-    "decoder_first_pipeline_num_layers": "num_layers_in_first_pipeline_stage",
-    "decoder_last_pipeline_num_layers": "num_layers_in_last_pipeline_stage",
-}
-TRANSFORMER_CONFIG = "megatron/core/transformer/transformer_config.py"
-# Deprecated TransformerConfig fields megatron-core 0.19 still accepts and routes to
-# moe_flex_dispatcher_num_sms unless that is set (transformer_config.py:1616-1635).
-DEPRECATED_SMS = ("moe_deepep_num_sms", "moe_hybridep_num_sms")
-# Megatron's own names (TransformerConfig, ModelParallelConfig, megatron/training/config and
-# arguments.py in megatron-core 0.19.2) that are not the planner's but lie within the typo
-# distance of one of its names: never taken for a typo. A test re-derives it from the tree.
-MEGATRON_NEIGHBOURS = frozenset({
-    "eval_micro_batch_size", "ffn_hidden_size", "inference_moe_token_dispatcher_type",
-    "main_params_dtype", "model_parallel_size", "moe_expert_capacity_factor",
-    "moe_router_group_topk", "mtp_num_layers", "rl_inference_expert_model_parallel_size",
-    "rl_inference_pipeline_model_parallel_size", "rl_inference_tensor_model_parallel_size",
-})  # fmt: skip
-# Megatron fields the terms depend on that the planner does not model: set, they are noted.
-NOT_MODELLED = {
-    "moe_expert_capacity_factor": "capacity-factor routing (the plan is dropless)",
-    "moe_pad_expert_input_to_capacity": "capacity-factor routing (the plan is dropless)",
-    "mtp_num_layers": "multi-token-prediction layers (their MoE layers are not counted)",
-    "moe_router_padding_for_fp8": "rows padded per expert for FP8 (routed rows are unpadded)",
-    "moe_router_padding_for_quantization": "rows padded per expert (routed rows are unpadded)",
-}
-TYPO_CUTOFF = 0.8  # difflib ratio: expert_model_paralel_size is 0.98 from its field
 
 
-def _known_keys() -> List[str]:
-    return sorted(set(ARGS) | set(YAML_ALIASES) | set(BOOL_KEYS) | set(DEPRECATED_SMS)
-                  | {"params_dtype", "num_layers_per_virtual_pipeline_stage"})  # fmt: skip
+def _field(config: Any, name: str) -> Any:
+    if isinstance(config, Mapping):
+        return config.get(name)
+    return getattr(config, name, None)
 
 
-def closest(name: str, known: Sequence[str]) -> Optional[str]:
-    """The known name ``name`` is most likely a typo of (difflib), or None."""
-    match = difflib.get_close_matches(name, list(known), n=1, cutoff=TYPO_CUTOFF)
-    return match[0] if match else None
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit status 2
-        raise SystemExit(_fail(message))
-
-
-def _fail(message: str) -> int:
-    print(f"moe_memory_planner: {message}", file=sys.stderr)
-    return 2
-
-
-def _note(message: str) -> None:
-    print(f"moe_memory_planner: note: {message}", file=sys.stderr)
-
-
-def read_config_file(path: str, notes: Optional[List[str]] = None) -> Dict[str, object]:
-    """The planner's fields of a Megatron-Bridge style YAML (``model:`` and ``train:`` sections,
-    or top-level keys, in TransformerConfig's names). A key that is no name the planner or
-    Megatron knows but lies within typo distance of one of the planner's is a ValueError naming
-    the closest; other keys are not the planner's. The deprecated SM-count fields and
-    ``moe_enable_deepep`` are kept under their names (:func:`apply_deprecated` routes them);
-    fields the planner does not model are appended to ``notes``."""
-    try:
-        import yaml
-    except ImportError:
-        raise ValueError("--config-file: reading YAML needs PyYAML (pip install pyyaml)") from None
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        lines = str(exc).splitlines() or [type(exc).__name__]
-        raise ValueError(f"--config-file: {path}: {lines[0]}") from None
-    except RecursionError:
-        raise ValueError(f"--config-file: {path}: nested too deeply") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"--config-file: {path}: not a mapping")
-    known = _known_keys()
-    values: Dict[str, object] = {}
-    for where, section in (("top level", data), ("train:", data.get("train")),
-                           ("model:", data.get("model"))):  # fmt: skip
-        if not isinstance(section, dict):
+def config_from(
+    config: Any,
+    tokens_per_rank: int,
+    ranks_per_node: int = 8,
+    routed_rows_factor: float = 1.0,
+    deep_ep: str = "hybrid-ep",
+) -> MoEMemoryConfig:
+    """The :class:`MoEMemoryConfig` of a megatron-core ``TransformerConfig`` (its fields read
+    with getattr) or a Mapping of the same field names; a field it lacks or holds None takes
+    TransformerConfig's default. ``bf16`` or ``fp16`` set: 16-bit activations. A
+    ``PipelineParallelLayerLayout`` is read from what it was built from. ValueError names the
+    field."""
+    values: Dict[str, Any] = {}
+    for name in CONFIG_FIELDS:
+        value = _field(config, name)
+        if value is None:
             continue
-        for key, value in section.items():
-            if key == "params_dtype" and isinstance(value, dict):  # Bridge: {_target_: torch.x}
-                value = str(value.get("_target_"))
-            if not isinstance(key, str) or isinstance(value, dict):
-                if section is data and isinstance(key, str) and key not in ("model", "train"):
-                    near = closest(key, ["model", "train"])
-                    if near:
-                        raise ValueError(
-                            f"--config-file: {path}: unknown section {key!r}; the closest known "
-                            f"is {near!r}"
-                        )
-                continue
-            if key in NOT_MODELLED and value not in (None, False, 0) and notes is not None:
-                notes.append(f"{key} is set; not modelled: {NOT_MODELLED[key]}")
-            if key in known:
-                values[YAML_ALIASES.get(key, key)] = value
-            elif key not in MEGATRON_NEIGHBOURS and closest(key, known):
-                raise ValueError(
-                    f"--config-file: {path}: unknown key {key!r} ({where}); the closest known "
-                    f"name is {closest(key, known)!r}"
-                )
-    if "params_dtype" in values:  # torch.bfloat16 or torch.float16: 16-bit activations
-        dtype = str(values.pop("params_dtype"))
-        if "bf16" not in values and "fp16" not in values:
-            values["bf16"] = "float16" in dtype
-    return values
-
-
-def apply_deprecated(values: Dict[str, object], notes: List[str]) -> None:
-    """Megatron's handling of the deprecated fields it still accepts, in place: the SM-count
-    knobs route to ``moe_flex_dispatcher_num_sms`` unless it is set (``transformer_config.py``
-    1616-1635; two that differ are an error), ``moe_layer_recompute`` is selective recompute
-    of ``moe`` (1835-1846), ``moe_enable_deepep`` selects the deepep backend of the flex
-    dispatcher (1589-1598)."""
-    sms = {}
-    for name in DEPRECATED_SMS:
-        value = values.pop(name, None)
-        if value is not None:
-            _positive(name, value)
-            sms[name] = value
-    if sms:
-        notes.append(f"{', '.join(sms)} is deprecated; megatron routes it to "
-                     f"moe_flex_dispatcher_num_sms ({TRANSFORMER_CONFIG}:1616-1635)")  # fmt: skip
-        if values.get("moe_flex_dispatcher_num_sms") is None:
-            if len(set(sms.values())) > 1:
-                raise ValueError(
-                    f"{'/'.join(sms)}: conflicting deprecated SM counts "
-                    f"{', '.join(f'{k}={v}' for k, v in sms.items())}; megatron refuses them "
-                    f"({TRANSFORMER_CONFIG}:1630-1634)"
-                )
-            values["moe_flex_dispatcher_num_sms"] = next(iter(sms.values()))
-    if values.pop("moe_layer_recompute", False) is True:
-        if values.get("recompute_granularity") == "full":
-            raise ValueError(
-                "moe_layer_recompute: conflicts with recompute_granularity full; megatron "
-                f"refuses it ({TRANSFORMER_CONFIG}:1840-1843)"
-            )
-        values["recompute_granularity"] = "selective"
-        modules = values.get("recompute_modules") or ["core_attn"]
-        if isinstance(modules, (list, tuple)) and "moe" not in modules:
-            values["recompute_modules"] = list(modules) + ["moe"]
-        notes.append(
-            "moe_layer_recompute is deprecated; megatron reads it as recompute_granularity "
-            f"selective with moe among recompute_modules ({TRANSFORMER_CONFIG}:1835-1846)"
-        )
-    enable = values.pop("moe_enable_deepep", False)
-    if not isinstance(enable, bool):
-        raise ValueError(f"moe_enable_deepep: must be true or false, got {enable!r}")
-    if enable:
-        if values.get("moe_token_dispatcher_type") != "flex":
-            raise ValueError(
-                "moe_enable_deepep: needs moe_token_dispatcher_type flex; megatron refuses it "
-                f"({TRANSFORMER_CONFIG}:1590-1591)"
-            )
-        if values.get("moe_flex_dispatcher_backend") == "hybridep":
-            raise ValueError(
-                "moe_enable_deepep: conflicts with moe_flex_dispatcher_backend hybridep; megatron "
-                f"refuses it ({TRANSFORMER_CONFIG}:1592-1593)"
-            )
-        values["moe_flex_dispatcher_backend"] = "deepep"
-        notes.append(
-            "moe_enable_deepep is deprecated; megatron reads it as moe_flex_dispatcher_backend "
-            f"deepep ({TRANSFORMER_CONFIG}:1589-1598)"
-        )
-
-
-ARGUMENTS = "megatron/training/arguments.py"
-LAYERS_PER_VIRTUAL_STAGE = "num_layers_per_virtual_pipeline_stage"
-
-
-def _vpp_from_layers_per_stage(values: Dict[str, object]) -> None:
-    """Megatron's ``--num-layers-per-virtual-pipeline-stage``: VPP = num_layers / PP / it,
-    exclusive of the other VPP arguments and of uneven stages (``arguments.py:894-944``)."""
-    n = values.pop(LAYERS_PER_VIRTUAL_STAGE, None)
-    if n is None:
-        return
-    _positive(LAYERS_PER_VIRTUAL_STAGE, n)
-    if any(values.get(k) is not None for k in (
-        "virtual_pipeline_model_parallel_size", "pipeline_model_parallel_layout",
-    )):  # fmt: skip
-        raise ValueError(
-            f"{LAYERS_PER_VIRTUAL_STAGE}: no more than one of it, the virtual stages per rank "
-            f"and the layout ({ARGUMENTS}:894-905)"
-        )
-    if any(values.get(k) is not None for k in (
-        "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
-    )):  # fmt: skip
-        raise ValueError(
-            f"{LAYERS_PER_VIRTUAL_STAGE}: not with uneven first/last stages ({ARGUMENTS}:921-922)"
-        )
-    layers, pp = values.get("num_layers"), values.get("pipeline_model_parallel_size") or 1
-    if not isinstance(layers, int) or not isinstance(pp, int) or pp <= 0:
-        return  # the config's own checks name what is wrong
-    if layers % pp or (layers // pp) % n:
-        raise ValueError(
-            f"{LAYERS_PER_VIRTUAL_STAGE}: {n} does not divide the {layers} layers' share of "
-            f"each of the {pp} pipeline stages ({ARGUMENTS}:933-938)"
-        )
-    vpp = layers // pp // n
-    values["virtual_pipeline_model_parallel_size"] = vpp if vpp > 1 else None
-
-
-RANKS_ENV = "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"
-
-
-def _ranks_per_node_from_env(values: Dict[str, object], notes: List[str]) -> None:
-    """HybridEP takes its NVLink domain from ``NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN`` when
-    set, over what it detects (``deep_ep/hybrid_ep_buffer.py:63-72``, ``int()``), and asserts
-    it divides the group (``:74-76``): so does the plan of a hybridep configuration, with a
-    note where it overrides ``--ranks-per-node``."""
-    raw = os.environ.get(RANKS_ENV)
-    if raw is None or values.get("moe_flex_dispatcher_backend") != "hybridep":
-        return
-    try:
-        ranks = int(raw)
-    except ValueError:
-        raise ValueError(
-            f"{RANKS_ENV}={raw[:40]!r}: deep_ep reads it with int(), which refuses it "
-            "(deep_ep/hybrid_ep_buffer.py:63-65)"
-        ) from None
-    ep = values.get("expert_model_parallel_size") or 1
-    etp = values.get("expert_tensor_parallel_size") or values.get("tensor_model_parallel_size") or 1
-    if not 0 < ranks <= INT_MAX or (ep * etp) % ranks:
-        raise ValueError(
-            f"{RANKS_ENV}={raw[:40]!r}: HybridEP needs it to divide the group of ETP x EP = "
-            f"{ep * etp} ranks (deep_ep/hybrid_ep_buffer.py:74-76)"
-        )
-    given = values.get("ranks_per_node")
-    if given is not None and given != ranks:
-        notes.append(f"{RANKS_ENV}={ranks} overrides --ranks-per-node {given}, as in deep_ep")
-    values["ranks_per_node"] = ranks
-
-
-def _check_types(values: Dict[str, object]) -> None:
-    """Each value of the type its field takes: a ValueError naming the field otherwise."""
-    for name, value in values.items():
-        if name in INT_FIELDS and value is not None:
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"{name}: must be an integer, got {value!r}")
-        elif name in FLOAT_FIELDS and value is not None:
-            if isinstance(value, str):
-                try:
-                    number = float(value)
-                except ValueError:
-                    raise ValueError(f"{name}: must be a number, got {value!r}") from None
-                if not math.isfinite(number):
-                    raise ValueError(f"{name}: must be a finite number, got {value!r}")
-                values[name] = number
-            elif not _real(value):
-                raise ValueError(f"{name}: must be a finite number, got {value!r}")
-        elif name in ("moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "deep_ep",
-                      "moe_router_dtype", "recompute_granularity"):  # fmt: skip
-            if value is not None and not isinstance(value, str):
-                raise ValueError(f"{name}: must be a name, got {value!r}")
-        elif name in BOOL_KEYS and not isinstance(value, bool):
-            raise ValueError(f"{name}: must be true or false, got {value!r}")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The command's parser: Megatron's argument names, each with what it is, its default and
-    its unit; the required ones in their own group."""
-    p = _Parser(
-        prog="moe_memory_planner",
-        allow_abbrev=False,
-        description="Every MoE memory term of a configuration on one rank (communication "
-        "buffers, dispatcher state held between calls), base (unpatched megatron-core) vs "
-        "patched, before anything is allocated. Sizes in bytes. HybridEP reads "
-        + ", ".join(CHUNK_ENV.values())
-        + " (tokens per chunk, default 64) from the environment, as deep_ep does.",
-        epilog="Bad input: one line on stderr naming it, exit status 2.",
+        if name == "pipeline_model_parallel_layout" and hasattr(value, "input_data"):
+            value = value.input_data  # megatron's PipelineParallelLayerLayout
+        if name == "pipeline_model_parallel_layout" and isinstance(value, (list, tuple)):
+            value = [[getattr(t, "name", t) for t in stage] for stage in value]  # LayerType
+        if name in ("recompute_modules", "moe_layer_freq") and isinstance(value, list):
+            value = tuple(value)
+        values[name] = value
+    values["bf16"] = bool(_field(config, "bf16") or _field(config, "fp16"))
+    return MoEMemoryConfig(
+        **values,
+        tokens_per_rank=tokens_per_rank,
+        ranks_per_node=ranks_per_node,
+        routed_rows_factor=routed_rows_factor,
+        deep_ep=deep_ep,
     )
-    req = p.add_argument_group("required (here or in --config-file)")
-    opt = p.add_argument_group("model and parallelism (Megatron's names)")
-    for name, arg in ARGS.items():
-        group = req if name in REQUIRED else opt
-        help_text = arg.help + (" [required]" if name in REQUIRED else "")
-        if name == "recompute_modules":
-            group.add_argument(arg.flag, nargs="*", dest=name, default=None, help=help_text,
-                               metavar=arg.metavar)  # fmt: skip
-        else:
-            kind = int if name in INT_FIELDS else str
-            group.add_argument(arg.flag, dest=name, type=kind, default=None, help=help_text,
-                               metavar=arg.metavar)  # fmt: skip
-    opt.add_argument("--bf16", action="store_true", default=None,
-                     help="16-bit activations, 2 bytes each (default: fp32, 4 bytes, unless "
-                     "the YAML's bf16, fp16 or params_dtype says otherwise)")  # fmt: skip
-    opt.add_argument("--fp16", action="store_true", default=None,
-                     help="16-bit activations, as --bf16 (default off)")  # fmt: skip
-    opt.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, metavar="INT",
-                     dest=LAYERS_PER_VIRTUAL_STAGE, default=None,
-                     help="layers per virtual pipeline stage: VPP = layers / PP / this "
-                     "(default: none)")  # fmt: skip
-    for flag, name in (("--account-for-embedding-in-pipeline-split", "embedding"),
-                       ("--account-for-loss-in-pipeline-split", "loss")):  # fmt: skip
-        help_text = f"the {name} counts as a layer of the pipeline split (default off)"
-        opt.add_argument(flag, action="store_true", default=None, help=help_text)
-    opt.add_argument("--sequence-parallel", action="store_true", default=None,
-                     help="sequence parallelism: tokens split over TP too (default: assumed on, "
-                     "with a note when TP > 1; the YAML's sequence_parallel: false turns it "
-                     "off)")  # fmt: skip
-    opt.add_argument("--moe-permute-fusion-into-hybridep", action="store_true", default=None,
-                     help="HybridEP's fused permute-dispatch: one chunk size for all three "
-                     "variables (default off)")  # fmt: skip
-    opt.add_argument("--moe-ncclep-zero-copy", dest="moe_ncclep_zero_copy", action="store_true",
-                     default=None, help="NCCL EP's zero-copy buffers (default off)")  # fmt: skip
-    out = p.add_argument_group("input and output")
-    out.add_argument("--config-file", metavar="YAML",
-                     help="a Megatron-Bridge style YAML: model:, train: or top-level keys in "
-                     "TransformerConfig's names; flags override it (default: none)")  # fmt: skip
-    out.add_argument("--held-rows", type=int, metavar="ROWS",
-                     help="rows per rank of a HybridEP buffer already held, to price a call's "
-                     "growth against (default: none held)")  # fmt: skip
-    out.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
-    return p
 
 
-def config_from_args(
-    argv: Optional[Sequence[str]] = None, notes: Optional[List[str]] = None
-) -> tuple:
-    """(MoEMemoryConfig, --json, --held-rows) from the command line; ValueError names the bad
-    argument. Notes (deprecated fields read, fields set but not modelled) are appended to
-    ``notes``, or printed on stderr if it is None."""
-    p = build_parser()
-    args, extra = p.parse_known_args(argv)
-    if extra:
-        flag = next((e.split("=")[0] for e in extra if e.startswith("-")), None)
-        near = closest(flag, [a.option_strings[0] for a in p._actions]) if flag else None
-        hint = f"; the closest known flag is {near}" if near else ""
-        p.error(f"unrecognized arguments: {' '.join(extra)[:80]}{hint}")
-    if args.held_rows is not None and not 0 < args.held_rows <= INT_MAX:
-        raise ValueError(
-            f"--held-rows: must be a positive integer up to {INT_MAX:,}, got {args.held_rows}"
-        )
-    printed = notes is None
-    notes = [] if notes is None else notes
-    values = read_config_file(args.config_file, notes) if args.config_file else {}
-    values.update({n: getattr(args, n) for n in ARGS if getattr(args, n) is not None})
-    if args.moe_ncclep_zero_copy:
-        values["moe_ncclep_zero_copy"] = True
-    for name in (
-        "sequence_parallel",
-        "account_for_embedding_in_pipeline_split",
-        "account_for_loss_in_pipeline_split",
-        "moe_permute_fusion_into_hybridep",
-    ):
-        if getattr(args, name):
-            values[name] = True
-    if getattr(args, LAYERS_PER_VIRTUAL_STAGE) is not None:
-        values[LAYERS_PER_VIRTUAL_STAGE] = getattr(args, LAYERS_PER_VIRTUAL_STAGE)
-    _check_types(values)
-    tp = values.get("tensor_model_parallel_size")
-    if "sequence_parallel" not in values and isinstance(tp, int) and tp > 1:
-        if "tokens_per_rank" not in values:
-            notes.append(
-                "sequence_parallel not given: assumed on, T = seq x micro-batch / (TP x CP) "
-                "(megatron's default is off, and warns with EP and TP: model_parallel_config.py"
-                ":560-565)"
-            )
-    apply_deprecated(values, notes)
-    _vpp_from_layers_per_stage(values)
-    _ranks_per_node_from_env(values, notes)
-    if args.bf16 or args.fp16:
-        values["bf16"] = True
-    elif args.config_file is None or "bf16" not in values:
-        values["bf16"] = bool(values.get("fp16", False) or values.get("bf16", False))
-    values.pop("fp16", None)
-    for name in REQUIRED:
-        if name not in values:
-            raise ValueError(f"{FIELD_FLAGS[name]}: required")
-    if "recompute_modules" in values and isinstance(values["recompute_modules"], list):
-        values["recompute_modules"] = tuple(values["recompute_modules"])
-    try:
-        cfg = MoEMemoryConfig(**values)
-    except ValueError as exc:
-        field_name, _, rest = str(exc).partition(": ")
-        raise ValueError(f"{FIELD_FLAGS.get(field_name, field_name)}: {rest}") from None
-    if args.held_rows is not None and (
-        cfg.moe_token_dispatcher_type != "flex" or cfg.moe_flex_dispatcher_backend != "hybridep"
-    ):
-        notes.append("--held-rows prices a HybridEP buffer's growth; not read for this backend")
-    for note in notes if printed else ():
-        _note(note)
-    return cfg, args.json, args.held_rows
+def estimate(
+    config: Any,
+    tokens_per_rank: int,
+    *,
+    ranks_per_node: int = 8,
+    routed_rows_factor: float = 1.0,
+    deep_ep: str = "hybrid-ep",
+    releases: Optional[bool] = None,
+) -> MoEMemoryEstimate:
+    """The MoE memory one rank of ``config`` holds, before anything is allocated: the flex
+    dispatcher's communication buffers and the dispatcher state the tree keeps between calls.
 
+    Args:
+        config: a megatron-core ``TransformerConfig``, or a Mapping of its field names
+            (``hidden_size``, ``num_moe_experts``, ``moe_router_topk`` and ``num_layers`` are
+            needed; the parallel sizes, pipeline split, ``moe_layer_freq``, dispatcher and
+            backend, recompute, ``bf16``/``fp16`` are read where given).
+        tokens_per_rank: tokens one MoE layer's dispatcher receives per call on this rank
+            (``seq_length x micro_batch_size / (TP x CP)`` with sequence parallelism).
+        ranks_per_node: ranks of one NVLink domain (8 on an HGX node, 72 on GB200 NVL72).
+        routed_rows_factor: rows this rank's experts receive, as a multiple of balanced
+            routing (``tokens_per_rank x top-k``); at most EP.
+        deep_ep: the deep_ep source DeepEP's normal mode is priced at: ``hybrid-ep``
+            (``DEEP_EP_COMMIT``) or ``main`` (``DEEP_EP_MAIN_COMMIT``).
+        releases: whether the tree releases its dispatchers' state after combine; None reads
+            it from the installed megatron-core (:func:`installed_tree_releases`).
 
-def format_plan(result: Dict[str, object]) -> str:
-    """The plan as a table: every term, its bytes, where it lives, its source."""
-    d, tot = result["derived"], result["totals"]
-    c = result["config"]
-    head = (
-        f"MoE memory plan: {c['moe_token_dispatcher_type']}"
-        + (
-            f"/{c['moe_flex_dispatcher_backend']}"
-            if c["moe_token_dispatcher_type"] == "flex"
-            else ""
-        )
-        + f", H={c['hidden_size']}, {c['num_moe_experts']} experts top-{c['moe_router_topk']},"
-        f" group {d['dispatcher_group']}, T={d['tokens_per_rank']:,} tokens/rank,"
-        f" {d['moe_layers_per_rank']} MoE layers/rank, recompute {d['recompute']}"
-    )
-    lines = [head, f"{'term':52}{'bytes':>16}  {'where':18} source"]
+    Returns:
+        A :class:`MoEMemoryEstimate`: every term with its bytes, where it lives and the source
+        line that sizes it (HybridEP's and DeepEP's buffers from deep_ep at ``DEEP_EP_COMMIT``
+        or ``DEEP_EP_MAIN_COMMIT``, DeepEP v2's at ``DEEP_EP_V2_COMMIT``, NCCL EP's at
+        ``NCCL_EP_COMMIT``; its ``buffer_source`` names the one used).
 
-    def rows(terms):
-        for t in terms:
-            lines.append(f"  {t['name'][:50]:50}{t['nbytes']:>16,}  {t['where']:18} {t['source']}")
+    Raises:
+        ValueError: a field missing or out of range, or a configuration the kernels refuse,
+            named with the line that refuses it.
 
-    if result["buffers"]:
-        backend = result["config"]["moe_flex_dispatcher_backend"]
-        source = {
-            "deepepv2": f"DeepEP epv2-release {d['deep_ep_v2_commit'][:7]}",
-            "ncclep": f"NCCL EP, nccl-extensions {d['nccl_ep_commit'][:7]}",
-        }.get(backend, f"deep_ep {d.get('deep_ep_source', 'hybrid-ep')} {d['deep_ep_commit'][:7]}")
-        lines.append(f"communication buffers ({source}), base = patched:")
-        rows(result["buffers"])
-    if "growth" in result:
-        g = result["growth"]
-        held = "none" if g["held_rows"] is None else f"{g['held_rows']:,} rows"
-        lines.append(f"HybridEP buffer growth against the held buffer ({held}):")
-        lines.append(f"  {'rows per rank needed':50}{g['needed_rows']:>16,}")
-        lines.append(f"  {'allocated (outside the allocator)':50}{g['growth_bytes']:>16,}")
-    if "per_call" in result:
-        lines.append("one HybridEP call's outputs (allocator):")
-        lines += [f"  {k:50}{v:>16,}" for k, v in result["per_call"].items()]
-
-    def num(value) -> str:
-        return f"{value:>16,}" if value is not None else f"{'not modelled':>16}"
-
-    if tot["retained_per_layer_base"] is None:
-        lines.append("dispatcher state kept between calls: not modelled for this backend")
-    else:
-        lines.append("dispatcher state kept per MoE layer between calls, base (patched: 0):")
-    rows(result["retained_per_layer"])
-    if result["retained_per_layer_but_the_last"]:
-        lines.append("  and, reached from the next layer's graph (every MoE layer but the last):")
-        rows(result["retained_per_layer_but_the_last"])
-    lines += [
-        f"{'':52}{'base':>16}{'patched':>16}",
-        f"{'buffers outside the allocator':52}{tot['buffers_outside_allocator']:>16,}"
-        f"{tot['buffers_outside_allocator']:>16,}",
-        f"{'retained per MoE layer (allocator)':52}{num(tot['retained_per_layer_base'])}"
-        f"{num(tot['retained_per_layer_patched'])}",
-        f"{'retained between calls, all MoE layers':52}"
-        f"{num(tot['retained_between_calls_base'])}{num(tot['retained_between_calls_patched'])}",
-    ]
-    return "\n".join(lines)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """The planner command: the table, or ``--json``; exit 2 on bad input (one line)."""
-    notes: List[str] = []
-    try:
-        cfg, as_json, held_rows = config_from_args(argv, notes)
-        result = plan(cfg, held_rows)
-    except ValueError as exc:
-        field_name, sep, rest = str(exc).partition(": ")
-        return _fail(
-            f"{FIELD_FLAGS[field_name]}: {rest}" if field_name in FIELD_FLAGS else str(exc)
-        )
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    for note in notes:
-        _note(note)
-    print(json.dumps(result, indent=1) if as_json else format_plan(result))
-    return 0
+    Not modelled: NVSHMEM's own memory, NCCL communicators, the cuMem fabric granularity,
+    DeepEP's low-latency mode, capacity-factor routing (the estimate is dropless), the MoE
+    layers of MTP, per-expert padding of routed rows for FP8, the device-dependent limits of
+    the kernels (SM count, shared memory), activations, weights and optimizer state, and the
+    dispatcher state of the DeepEP v2 and NCCL EP backends (``dispatcher_state`` is None).
+    HybridEP's chunk sizes are read from the environment, as deep_ep reads them.
+    """
+    cfg = config_from(config, tokens_per_rank, ranks_per_node, routed_rows_factor, deep_ep)
+    return estimate_config(cfg, releases)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(
+        "moe_memory_planner: a library, not a command: call estimate(config, tokens_per_rank); "
+        "the base-versus-patched table is moe-release's scripts/moe_memory_plan.py"
+    )

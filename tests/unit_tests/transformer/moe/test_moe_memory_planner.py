@@ -37,6 +37,7 @@ from cpu_runtime.launcher import REPO_ROOT
 SCRIPT = REPO_ROOT / "scripts" / "moe_memory_plan.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import moe_memory_plan  # noqa: E402
+from memory_plan import cli, compare, inputs  # noqa: E402
 
 planner = moe_memory_plan.load_planner()
 MiB = 1024 * 1024
@@ -223,12 +224,12 @@ def test_nccl_ep_context_worked_by_hand():
         expert_model_parallel_size=8, tokens_per_rank=4096, moe_token_dispatcher_type="flex",
         moe_flex_dispatcher_backend="ncclep", moe_expert_rank_capacity_factor=1.5,
     )  # fmt: skip
-    result = planner.plan(cfg)
+    result = compare.plan(cfg)
     assert result["totals"]["buffers_outside_allocator"] == 1_779_433_512
     assert result["totals"]["buffers_released"] == 1_779_433_832
     # The retained state is not modelled for this backend: said, not priced as 0.
     assert result["totals"]["retained_per_layer_base"] is None
-    assert "not modelled" in planner.format_plan(result)
+    assert "not modelled" in compare.format_plan(result)
     with pytest.raises(ValueError, match="capacity_factor: must be positive"):
         planner.MoEMemoryConfig(**{**vars(cfg), "moe_expert_rank_capacity_factor": -1.0})
 
@@ -493,6 +494,109 @@ def test_patched_tree_keeps_no_dispatcher_state(dist_job, patched_tree):
 
 
 # --------------------------------------------------------------------------------------------
+# The installed API: estimate() from a TransformerConfig or a Mapping, the installed tree's state
+
+
+# Seed 000 as TransformerConfig's fields: H=2048, 256 experts top-8, 8 layers, EP2, HybridEP,
+# the MoE layer recomputed, bf16.
+SEED_000_FIELDS = dict(
+    num_layers=8, hidden_size=2048, num_attention_heads=16, num_moe_experts=256,
+    moe_router_topk=8, expert_model_parallel_size=2, moe_token_dispatcher_type="flex",
+    moe_flex_dispatcher_backend="hybridep", recompute_granularity="selective",
+    recompute_modules=["moe"], bf16=True,
+)  # fmt: skip
+SEED_000_CFG = planner.MoEMemoryConfig(
+    **{k: v for k, v in SEED_000_FIELDS.items() if k != "num_attention_heads"},
+    tokens_per_rank=105153,
+)
+
+ESTIMATE_JOB = """
+import json, sys, warnings
+warnings.simplefilter("ignore")
+import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.moe import moe_memory_planner as p
+fields = json.loads(sys.argv[1])
+config = TransformerConfig(**fields, params_dtype=torch.bfloat16)
+e = p.estimate(config, 105153)
+print(json.dumps(dict(
+    file=p.__file__, releases=e.releases, buffer_bytes=e.buffer_bytes,
+    state=e.dispatcher_state_bytes, per_layer=e.dispatcher_state_bytes_per_layer,
+    source=e.buffer_source, mapping=p.estimate(fields, 105153).dispatcher_state_bytes,
+    trees={t: p.installed_tree_releases(t) for t in ("allgather", "alltoall", "flex")},
+)))
+"""
+
+
+def _estimate_in(tree) -> dict:
+    """estimate() of seed 000 from a real TransformerConfig, in a process whose megatron-core is
+    ``tree``'s (what an installed tree's caller sees)."""
+    done = subprocess.run(
+        [sys.executable, "-c", ESTIMATE_JOB, json.dumps(SEED_000_FIELDS)], capture_output=True,
+        text=True, timeout=300, cwd="/", env=dict(os.environ, PYTHONPATH=str(tree)),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_estimate_on_the_patched_tree_holds_no_dispatcher_state(patched_tree):
+    """The patched tree releases after combine (every dispatcher's combine_postprocess calls the
+    release), so its estimate holds the buffers worked by hand above and no dispatcher state,
+    from a TransformerConfig and from a Mapping of its fields alike."""
+    got = _estimate_in(patched_tree)
+    assert got["file"].startswith(str(patched_tree))
+    assert got["trees"] == {"allgather": True, "alltoall": True, "flex": True}
+    assert got["releases"] is True and got["state"] == got["per_layer"] == got["mapping"] == 0
+    assert got["buffer_bytes"] == 1_144_889_280
+    assert got["source"] == f"deep_ep hybrid-ep {planner.DEEP_EP_COMMIT}"
+
+
+def test_estimate_on_the_base_tree_holds_what_the_report_prices(base_tree):
+    """The unpatched base keeps its dispatcher state: the installed estimate is the report's
+    base column (8 MoE layers of the recomputed layer's terms: routing map, probabilities, the
+    handle, the recompute leaf and its grad)."""
+    got = _estimate_in(base_tree)
+    report = compare.plan(SEED_000_CFG)["totals"]
+    assert got["trees"] == {"allgather": False, "alltoall": False, "flex": False}
+    assert got["releases"] is False
+    assert got["per_layer"] == report["retained_per_layer_base"]
+    assert got["state"] == got["mapping"] == report["retained_between_calls_base"]
+    assert got["state"] == 8 * got["per_layer"] == 9_079_448_320
+    assert got["buffer_bytes"] == report["buffers_outside_allocator"] == 1_144_889_280
+
+
+def test_estimate_terms_and_what_it_does_not_model():
+    """Each term carries its bytes, where it lives, its source and whether a release frees it;
+    the backends whose dispatcher state is not modelled say None, not 0; a field out of range
+    or a configuration the kernels refuse is a ValueError naming the field."""
+    fields = dict(SEED_000_FIELDS, num_layers=4)
+    e = planner.estimate(fields, 105153, releases=False)
+    assert e.moe_layers == 4 and e.dispatcher_state_bytes == 4 * e.dispatcher_state_bytes_per_layer
+    leaf = {t.name: t for t in e.dispatcher_state}["recompute input leaf [T, H]"]
+    assert (leaf.nbytes, leaf.where) == (105153 * 2048 * 2, planner.ALLOCATOR)
+    assert all(t.where == planner.OUTSIDE and t.released for t in e.buffers)
+    assert e.buffer_released_bytes == e.buffer_bytes and e.buffer_pinned_host_bytes == 0
+    assert planner.estimate(fields, 105153, releases=True).dispatcher_state == ()
+    nccl = planner.estimate(
+        dict(fields, moe_flex_dispatcher_backend="ncclep", hidden_size=7168,
+             expert_model_parallel_size=8, moe_expert_rank_capacity_factor=1.5),
+        4096, releases=False,
+    )  # fmt: skip
+    assert nccl.dispatcher_state is None and nccl.dispatcher_state_bytes is None
+    assert nccl.buffer_bytes == 1_779_433_512  # worked by hand in test_nccl_ep_context_...
+    assert nccl.buffer_source == f"NCCL EP nccl-extensions {planner.NCCL_EP_COMMIT}"
+    alltoall = planner.estimate(dict(fields, moe_token_dispatcher_type="alltoall"), 4096,
+                                releases=False)  # fmt: skip
+    assert alltoall.buffers == () and alltoall.buffer_source == ""
+    with pytest.raises(ValueError, match="hidden_size: HybridEP refuses 1000"):
+        planner.estimate(dict(fields, hidden_size=1000), 4096, releases=True)
+    with pytest.raises(ValueError, match="expert_model_parallel_size: 3 does not divide"):
+        planner.estimate(dict(fields, expert_model_parallel_size=3), 4096, releases=True)
+    with pytest.raises(ValueError, match="moe_token_dispatcher_type: 'ring' is not one of"):
+        planner.installed_tree_releases("ring")
+
+
+# --------------------------------------------------------------------------------------------
 # The command
 
 
@@ -519,13 +623,18 @@ def test_command_table_and_json(patched_tree):
     assert data["totals"]["retained_per_layer_patched"] == 0
     per_layer = data["totals"]["retained_per_layer_base"]
     assert data["totals"]["retained_between_calls_base"] == 8 * per_layer
-    # The module as it ships in the patched megatron-core is the same command.
+    # The module as it ships in the patched megatron-core is a function, not this command
+    # (its estimate is checked below): run as one, it says so in one line.
     module = subprocess.run(
         [sys.executable, "-m", "megatron.core.transformer.moe.moe_memory_planner", *SEED_000,
          "--json"], capture_output=True, text=True, timeout=60,
         env={"PYTHONPATH": str(patched_tree), "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
-    assert module.returncode == 0 and json.loads(module.stdout) == data, module.stderr
+    assert module.returncode == 1 and module.stdout == "", module.stderr
+    assert module.stderr.strip().splitlines()[-1] == (  # after megatron-core's import warnings
+        "moe_memory_planner: a library, not a command: call estimate(config, tokens_per_rank); "
+        "the base-versus-patched table is moe-release's scripts/moe_memory_plan.py"
+    )
 
 
 def test_command_reads_a_bridge_yaml(tmp_path):
@@ -576,7 +685,7 @@ OK = ["--hidden-size", "64", "--num-experts", "8", "--moe-router-topk", "2", "--
 def test_command_bad_input(args, message, capsys):
     """One line on stderr naming the argument, exit status 2, nothing on stdout (the command's
     main, in process; test_command_exit_status runs it as a process)."""
-    status = planner.main(args)
+    status = cli.main(args)
     out, err = capsys.readouterr()
     if not message:  # the last case is good input
         assert status == 0, err
@@ -602,7 +711,7 @@ def test_command_exit_status():
 def _one_line_exit_2(capsys, args) -> str:
     """Run the command's main in process: exit status 2, nothing on stdout, one line on stderr
     (no traceback: an exception would fail the test here); that line."""
-    status = planner.main([str(a) for a in args])
+    status = cli.main([str(a) for a in args])
     out, err = capsys.readouterr()
     assert status == 2 and out == "", (status, out, err)
     lines = err.strip().splitlines()
@@ -611,7 +720,7 @@ def _one_line_exit_2(capsys, args) -> str:
 
 
 def _plan_json(capsys, args) -> tuple:
-    status = planner.main([str(a) for a in args] + ["--json"])
+    status = cli.main([str(a) for a in args] + ["--json"])
     out, err = capsys.readouterr()
     assert status == 0, err
     return json.loads(out), err
@@ -685,9 +794,9 @@ def test_megatron_names_near_the_planners_are_known(base_tree, tmp_path, capsys)
     and a YAML setting all of them plans (exit 0). Every planner field but its own four
     (tokens_per_rank, ranks_per_node, routed_rows_factor, deep_ep) is a megatron name."""
     names = _megatron_names(base_tree)
-    known = planner._known_keys()
-    near = {n for n in names if n not in known and planner.closest(n, known)}
-    assert near == set(planner.MEGATRON_NEIGHBOURS)
+    known = inputs._known_keys()
+    near = {n for n in names if n not in known and inputs.closest(n, known)}
+    assert near == set(inputs.MEGATRON_NEIGHBOURS)
     assert {k for k in known if k not in names} == {
         "tokens_per_rank", "ranks_per_node", "routed_rows_factor", "deep_ep",
     }  # fmt: skip
@@ -933,7 +1042,7 @@ def test_routed_rows_factor_inf_is_one_line_not_a_traceback():
 
 # Odd values for every argument: non-finite, huge, negative, zero, of the wrong type.
 GOOD = OK + ["--seq-length", "8"]
-INT_FLAGS = [f for f, n in planner.FLAGS.items() if n in planner.INT_FIELDS]
+INT_FLAGS = [f for f, n in inputs.FLAGS.items() if n in inputs.INT_FIELDS]
 BAD_INTS = ["0", "-1", "2147483648", "99999999999999999999999", "1.5", "nan", "inf", "", "x"]
 BAD_FLOATS = ["0", "-1", "nan", "inf", "-inf", "1e400", "1e308", "x", "", "3"]  # 3 > EP 1
 BAD_NAMES = ["0", "", "x", "nan"]
@@ -963,7 +1072,7 @@ def test_odd_flag_values_are_one_line_exit_2(flag, value, capsys):
 
 ODD_YAML = [".nan", ".inf", "-.inf", "-1", "0", "100000000000000000000", "abc", "[1, 2]",
             "true", "2.5", "'12'", "1e30"]  # fmt: skip
-YAML_FIELDS = sorted(planner.INT_FIELDS | set(planner.FLOAT_FIELDS)) + [
+YAML_FIELDS = sorted(inputs.INT_FIELDS | set(inputs.FLOAT_FIELDS)) + [
     "moe_token_dispatcher_type", "moe_layer_freq", "recompute_modules", "bf16", "fp16",
     "moe_ncclep_zero_copy", "moe_hybridep_num_sms", "moe_deepep_num_sms", "moe_enable_deepep",
     "deep_ep", "sequence_parallel", "moe_layer_recompute", "pipeline_model_parallel_layout",
@@ -981,7 +1090,7 @@ def test_odd_yaml_values_never_trace_back(field_name, tmp_path, capsys):
         fields[field_name] = value
         body = "".join(f"  {k}: {v}\n" for k, v in fields.items())
         path = _yaml(tmp_path, "model:\n" + body)
-        status = planner.main(["--config-file", path, "--json"])
+        status = cli.main(["--config-file", path, "--json"])
         out, err = capsys.readouterr()
         if status == 0:
             assert (field_name, value) in YAML_ACCEPTED, (field_name, value, err)
@@ -989,7 +1098,7 @@ def test_odd_yaml_values_never_trace_back(field_name, tmp_path, capsys):
         assert status == 2 and out == "", (field_name, value, err)
         lines = err.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in err, (field_name, value, err)
-        flag = planner.FIELD_FLAGS.get(field_name, field_name)
+        flag = inputs.FIELD_FLAGS.get(field_name, field_name)
         assert flag in lines[0] or field_name in lines[0], (field_name, value, lines[0])
 
 
@@ -1131,9 +1240,9 @@ def test_deep_ep_main_prices_its_own_configs(capsys):
     assert data["derived"]["deep_ep_commit"] == planner.DEEP_EP_MAIN_COMMIT
     sources = {t["name"]: t["source"] for t in data["buffers"]}
     assert sources["RDMA buffer (num_rdma_bytes)"] == "csrc/legacy/config.hpp:75-99"
-    status = planner.main([str(a) for a in args + ["--deep-ep", "main"]])
+    status = cli.main([str(a) for a in args + ["--deep-ep", "main"]])
     assert status == 0 and "deep_ep main dd758ca" in capsys.readouterr().out
-    status = planner.main([str(a) for a in args])
+    status = cli.main([str(a) for a in args])
     assert status == 0 and "deep_ep hybrid-ep 94a9f8f" in capsys.readouterr().out
 
 
@@ -1172,12 +1281,12 @@ def test_help_teaches_every_flag():
     required ones marked; exit 0."""
     done = _run("--help")
     assert done.returncode == 0 and "Traceback" not in done.stderr
-    parser = planner.build_parser()
+    parser = inputs.build_parser()
     for action in parser._actions:
         if action.dest == "help":
             continue
         text = action.help or ""
-        required = action.dest in planner.REQUIRED
+        required = action.dest in inputs.REQUIRED
         assert ("[required]" in text) == required, action.option_strings
         assert required or "default" in text, action.option_strings
     for flag in ("--hidden-size", "--num-experts", "--moe-router-topk", "--num-layers"):
@@ -1415,7 +1524,8 @@ def test_the_cited_megatron_lines_say_what_the_planner_says(path, lines, holds, 
     text = (Path(base_tree) / "megatron" / path).read_text().splitlines()
     first, _, last = lines.partition("-")
     assert holds in "\n".join(text[int(first) - 1 : int(last or first)])
-    assert f":{lines}" in Path(planner.__file__).read_text()  # and the planner cites them
+    cited = Path(planner.__file__).read_text() + Path(inputs.__file__).read_text()
+    assert f":{lines}" in cited  # and the planner (its pricing or its command) cites them
 
 
 def test_layers_per_virtual_stage_sets_vpp(tmp_path, capsys):
