@@ -9,12 +9,14 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from functools import partial
 from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT
 from test_apply import FA, PS, TD, _apply, _git, mlm  # noqa: F401 (mlm: a fixture)
 
+from patchtool import cli
 from patchtool.apply import open_checkout
 from patchtool.check import find_installed_core
 from patchtool.checkout import (
@@ -148,7 +150,12 @@ def _pip(*args: str) -> str:
 
 
 @pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs to run in a venv")
-def test_pip_install_of_the_branch_is_the_labelled_drop_in(mlm, tmp_path):  # noqa: F811
+def test_pip_install_of_the_branch_is_the_labelled_drop_in(
+    mlm,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    capsys,
+):
     """apply's last commit labels the build: pip install of the branch (Megatron-LM's
     packaging: the version from package_info.py, a VCS suffix computed there overridden)
     installs <version>+moerelease.3.HASH with the manifest, and verify recognises it; a file
@@ -183,6 +190,13 @@ def test_pip_install_of_the_branch_is_the_labelled_drop_in(mlm, tmp_path):  # no
     assert is_checkout_manifest(manifest) and manifest["base"]["commit"] == c[4]
     assert set(manifest["files"]) >= {TD, FA, PS, PLANNER, "megatron/core/package_info.py"}
     assert verify_checkout_install(core, dist_version, manifest, root=repo) == []
+    # The verb: told a checkout's build by its installed manifest (this repo: the synthetic one).
+    monkeypatch.setattr(cli, "verify_checkout_install", partial(verify_checkout_install, root=repo))
+    assert cli.main(["verify", "--python", python]) == 0
+    assert capsys.readouterr().out.startswith(
+        f"OK: megatron-core {version} at {core} matches the series of {manifest['base']['pin']} "
+        f"applied on Megatron-LM {c[4][:12]} ("
+    )
     probe = "import megatron.core.package_info as p; print(p.__version__)"
     out = subprocess.run([python, "-c", probe], capture_output=True, text=True, cwd="/")
     assert out.stdout.strip() == version
@@ -195,6 +209,8 @@ def test_pip_install_of_the_branch_is_the_labelled_drop_in(mlm, tmp_path):  # no
     assert f"{FA}: differs from the series" in problems
     assert any(p.startswith("built from another series than this repository's: label "
                             "moerelease.3.") for p in problems)  # fmt: skip
+    assert cli.main(["verify", "--python", python]) == 1
+    assert capsys.readouterr().out.startswith(f"MISMATCH: megatron-core at {core} does not match")
 
 
 def test_no_label_leaves_the_checkouts_packaging_as_it_was(mlm):  # noqa: F811
