@@ -630,16 +630,22 @@ def pr_description(target: str, topic: str, series: list, root: Path = REPO_ROOT
         if topic == "cpu-import":  # import-only tests: no GPU, no process group
             out += ["", "```sh", "pytest " + " ".join(test_files), "```", ""]
             out += ["They need no GPU and no process group. Each fails on the commit before the"]
-            out += ["fix and passes on it."]
+            out += ["fix and passes on it (checked on CPU, on each target branch)."]
         else:
+            backends = "deep_ep, HybridEP or TE's NCCL EP"
+            if topic == "a2a-overlap":  # no NCCL EP case
+                backends = "deep_ep or HybridEP"
             out += ["", "```sh", "torchrun --nproc-per-node 8 -m pytest " + " ".join(test_files)]
             out += ["```", "", "Not yet run on GPUs: that each fails on the commit before its fix"]
-            out += ["and passes on it is unverified there. The tests need CUDA and 8 ranks (the"]
-            out += ["flex cases also deep_ep or TE's NCCL EP) and skip otherwise. Where it was"]
-            out += ["checked: on 8 CPU ranks over gloo, with CUDA and the deep_ep and NCCL EP"]
-            out += ["kernels emulated on the host (the emulation is not part of this PR)."]
+            out += ["and passes on it is unverified there. The tests need CUDA and 8 ranks, and"]
+            out += [f"each flex case its backend ({backends}); they skip otherwise. Where it"]
+            out += ["was checked: on 8 CPU ranks over gloo, with CUDA and those kernels emulated"]
+            out += ["on the host (the emulation is not part of this PR)."]
     else:
         out += ["No upstream unit test in this PR yet; the commits name what was checked."]
+    if target in PRIMARY_TARGETS + BACKPORT_TARGETS and topic != "cpu-import":
+        out += ["", f"A cherry-pick into {target} of the same change on main: land it after"]
+        out += ["the main PR has passed GPU CI (`/ok to test`); keep this PR in draft until then."]
     out += ["", "## Not covered", ""] + [f"- {n}" for n in not_covered] + [""]
     return "\n".join(out)
 

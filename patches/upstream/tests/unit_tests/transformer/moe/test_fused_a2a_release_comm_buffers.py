@@ -49,13 +49,10 @@ from tests.unit_tests.transformer.moe.test_hybrid_ep_buffer_per_group import (
 
 
 def _nccl_ep_group():
-    """The EP group NCCL EP is bootstrapped on (as fused_a2a recorded it), or None. Before
-    fused_a2a recorded it, only TransformerEngine's private state says."""
-    if not getattr(fused_a2a, "HAVE_TE_EP", False):
+    """The EP group NCCL EP is bootstrapped on (as fused_a2a recorded it), or None."""
+    if not getattr(fused_a2a, "HAVE_TE_EP", False) or not hasattr(fused_a2a, "_nccl_ep_group"):
         return None
-    if hasattr(fused_a2a, "_nccl_ep_group"):
-        return fused_a2a._nccl_ep_group if fused_a2a.is_nccl_ep_bootstrapped() else None
-    return fused_a2a.te_ep._EP_GROUP if fused_a2a.te_ep._BOOTSTRAPPED else None
+    return fused_a2a._nccl_ep_group if fused_a2a.is_nccl_ep_bootstrapped() else None
 
 
 def _held_buffer(backend: str):
@@ -124,8 +121,10 @@ def test_reset_fused_a2a_buffers_is_idempotent_without_buffers():
 
 
 @pytest.mark.skipif(
-    not fused_a2a.HAVE_DEEP_EP and not fused_a2a.HAVE_HYBRIDEP,
-    reason="Deep EP and Hybrid EP are not available",
+    not fused_a2a.HAVE_DEEP_EP
+    and not fused_a2a.HAVE_HYBRIDEP
+    and not getattr(fused_a2a, "HAVE_TE_EP", False),
+    reason="Deep EP, Hybrid EP and NCCL EP are not available",
 )
 class TestFusedA2ACommBuffers(TwoEPGroups):
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
@@ -455,3 +454,23 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
             "destroy 0",
         ], f"reset_fused_a2a_buffers() did not destroy() the DeepEP buffer: {events}"
         del buffer
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+    @pytest.mark.internal
+    def test_deep_ep_v2_buffers_are_destroyed_by_the_release_not_at_exit(self):
+        """DeepEP v2's ElasticBuffers (where the branch has them): no finalizer is one that
+        Python's exit runs on its own (it would run the collective destroy() after an uncaught
+        exception too), and reset_fused_a2a_buffers() destroys every v2 buffer still alive,
+        also one the dispatcher's manager still references."""
+        if not getattr(fused_a2a, "HAVE_DEEP_EP_V2", False):
+            pytest.skip("Deep EP v2 is not available")
+        Utils.initialize_model_parallel(expert_model_parallel_size=8)
+        layer = build_moe_layer("deepepv2")
+        forward_backward(layer, make_input())
+        buffers = list(fused_a2a._elastic_buffer_finalizers.items())
+        assert buffers, "no DeepEP v2 buffer after a dispatch"
+        assert not any(f.atexit for _, f in buffers), "a DeepEP v2 finalizer runs at exit"
+        fused_a2a.reset_fused_a2a_buffers()
+        assert fused_a2a._elastic_buffer is None
+        # ElasticBuffer.destroy() drops its runtime (deep_ep/buffers/elastic.py).
+        assert all(b.runtime is None for b, _ in buffers), "a DeepEP v2 buffer outlives the release"

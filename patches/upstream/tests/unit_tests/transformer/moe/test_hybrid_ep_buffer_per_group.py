@@ -138,8 +138,8 @@ def assert_bitwise_equal(actual: dict, expected: dict, what: str) -> None:
 
 
 def release_buffers() -> None:
-    """Teardown on any tree: release the buffers, or where reset_fused_a2a_buffers() does not
-    exist yet, synchronize and drop the references."""
+    """Release the buffers, or where reset_fused_a2a_buffers() does not exist (a commit before
+    the communication-buffer lifecycle, e.g. when bisecting), synchronize and drop them."""
     reset = getattr(fused_a2a, "reset_fused_a2a_buffers", None)
     if reset is not None:
         reset(graphs_released=True)
