@@ -57,7 +57,10 @@ import os
 import re
 import sys
 from dataclasses import dataclass, fields
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+if TYPE_CHECKING:  # only for the annotations: this module imports the standard library alone
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 DEEP_EP_COMMIT = "94a9f8f6b146c07d97ec58f67cd6d303296d6098"
 # DeepEP main (2.1.0): normal-mode DeepEP only (no HybridEP); its dispatch and combine configs
@@ -1627,14 +1630,20 @@ CONFIG_FIELDS = tuple(
 )  # fmt: skip
 
 
-def _field(config: Any, name: str) -> Any:
+# What the caller's config is: a megatron-core TransformerConfig or a Mapping of its fields.
+ConfigLike = Union["TransformerConfig", Mapping[str, Any]]
+# Fields the estimate cannot do without (a TransformerConfig of a dense model has no experts).
+NEEDED_FIELDS = ("hidden_size", "num_moe_experts", "moe_router_topk", "num_layers")
+
+
+def _field(config: ConfigLike, name: str) -> Any:
     if isinstance(config, Mapping):
         return config.get(name)
     return getattr(config, name, None)
 
 
 def config_from(
-    config: Any,
+    config: ConfigLike,
     tokens_per_rank: int,
     ranks_per_node: int = 8,
     routed_rows_factor: float = 1.0,
@@ -1645,6 +1654,9 @@ def config_from(
     TransformerConfig's default. ``bf16`` or ``fp16`` set: 16-bit activations. A
     ``PipelineParallelLayerLayout`` is read from what it was built from. ValueError names the
     field."""
+    missing = [name for name in NEEDED_FIELDS if _field(config, name) is None]
+    if missing:
+        raise ValueError(f"{missing[0]}: needed, got None or nothing (an MoE model's field)")
     values: Dict[str, Any] = {}
     for name in CONFIG_FIELDS:
         value = _field(config, name)
@@ -1668,7 +1680,7 @@ def config_from(
 
 
 def estimate(
-    config: Any,
+    config: ConfigLike,
     tokens_per_rank: int,
     *,
     ranks_per_node: int = 8,
@@ -1703,6 +1715,7 @@ def estimate(
     Raises:
         ValueError: a field missing or out of range, or a configuration the kernels refuse,
             named with the line that refuses it.
+        ImportError: ``releases`` None where megatron-core (and torch) cannot be imported.
 
     Not modelled: NVSHMEM's own memory, NCCL communicators, the cuMem fabric granularity,
     DeepEP's low-latency mode, capacity-factor routing (the estimate is dropless), the MoE

@@ -594,6 +594,8 @@ def test_estimate_terms_and_what_it_does_not_model():
         planner.estimate(dict(fields, expert_model_parallel_size=3), 4096, releases=True)
     with pytest.raises(ValueError, match="moe_token_dispatcher_type: 'ring' is not one of"):
         planner.installed_tree_releases("ring")
+    with pytest.raises(ValueError, match="num_moe_experts: needed"):  # a dense model's config
+        planner.estimate(dict(fields, num_moe_experts=None), 4096, releases=True)
 
 
 # --------------------------------------------------------------------------------------------
