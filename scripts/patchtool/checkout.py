@@ -102,16 +102,19 @@ def label_files(
     ``resolutions`` those replayed (file name -> bytes)."""
     overlay = dict(overlay_files(root))
     at_head = read(head, sorted({PACKAGE_INFO, MANIFEST_IN, MANIFEST_PATH, *overlay, *changed}))
+    why = None
     if at_head.get(PACKAGE_INFO) is None:
-        raise UserError(f"{ref[:12]}: has no {PACKAGE_INFO} to carry the build label")
-    if at_head.get(MANIFEST_PATH) is not None:
-        raise UserError(f"{ref[:12]}: already has {MANIFEST_PATH}")
+        why = f"has no {PACKAGE_INFO} to carry the build label"
+    elif at_head.get(MANIFEST_PATH) is not None:
+        why = f"already has {MANIFEST_PATH}"
+    elif not package_version(at_head[PACKAGE_INFO]):
+        why = f"{PACKAGE_INFO} spells no MAJOR/MINOR/PATCH/PRE_RELEASE"
     for rel, data in overlay.items():
-        if at_head.get(rel) not in (None, data):
-            raise UserError(f"new module {rel} collides with the checkout's file at {ref[:12]}")
+        if why is None and at_head.get(rel) not in (None, data):
+            why = f"new module {rel} collides with the checkout's file"
+    if why is not None:
+        raise UserError(f"{ref[:12]}: {why} (--no-label leaves the label commit out)")
     upstream = package_version(at_head[PACKAGE_INFO])
-    if not upstream:
-        raise UserError(f"{ref[:12]}: {PACKAGE_INFO} spells no MAJOR/MINOR/PATCH/PRE_RELEASE")
     label = checkout_label(ref, base, len(applied), resolutions or {}, root)
     version = f"{upstream}+{label}"
     files = dict(overlay)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT
-from test_apply import FA, PS, TD, _apply, _git, mlm  # noqa: F401 (mlm: a fixture)
+from test_apply import FA, PS, TD, _apply, _commit, _git, mlm  # noqa: F401 (mlm: a fixture)
 
 from patchtool import cli
 from patchtool.apply import open_checkout
@@ -214,8 +214,15 @@ def test_pip_install_of_the_branch_is_the_labelled_drop_in(
 
 
 def test_no_label_leaves_the_checkouts_packaging_as_it_was(mlm):  # noqa: F811
+    """--no-label: the series' commits only; a commit whose package_info.py spells no version
+    cannot carry the label, which the error says, and --no-label applies there."""
     m, c, repo = mlm
     _, result, _ = _apply(m, c[4], repo, label=False)
     branch = f"moe-release/{c[4][:12]}"
     assert result.version is None
     assert _git(m, "diff", "--name-only", c[4], branch).split() == sorted([TD, FA, PS])
+    c7 = _commit(m, "2026-07-20T12:00:00+00:00", "version from elsewhere (#8)",
+                 {"megatron/core/package_info.py": "__version__ = get_version()\n"})  # fmt: skip
+    with pytest.raises(UserError, match=r"spells no MAJOR/MINOR/PATCH/PRE_RELEASE \(--no-label "):
+        _apply(m, c7, repo)
+    assert _apply(m, c7, repo, label=False)[1].ok
