@@ -98,9 +98,35 @@ adds none:
 
 The fresh dispatch: the CPU busy-waits for the received counts in mapped host memory.
 
-The buffer: the real NVLink/RDMA buffers live outside PyTorch's allocator; the emulation
-allocates what the real one does for the ``num_nvl_bytes`` and ``num_rdma_bytes``
-megatron-core's ``get_buffer`` asks (sized by the :class:`Config` hints) as one counted tensor.
+**The buffer**, read from the source at 94a9f8f by this emulation itself, not taken from the
+memory planner, so that the report's planner rows compare two readings. The real NVLink/RDMA
+buffers live outside PyTorch's allocator; the emulation allocates what the constructor
+(``deep_ep.cpp:127-207``) and ``sync`` (``deep_ep.cpp:341-356``) do for the ``num_nvl_bytes`` and
+``num_rdma_bytes`` megatron-core's ``get_buffer`` asks (the maximum of the :class:`Config`
+hints of the dispatch and combine configs, ``buffer.py:240-281``), the device terms as one
+counted tensor (``memory``), the mapped pinned counters apart (``terms`` lists them all).
+Sizes: C = channels (``num_sms / 2``), Rn = NVLink ranks ``min(R, 8)``, Rr = RDMA ranks
+``max(R / 8, 1)``, Bh = hidden bytes, r_nvl / r_rdma = the config's NVLink / RDMA receive chunk
+(the RDMA one rounded up to a multiple of its send chunk, ``config.hpp:45``), ``a128`` rounds up
+to 128; Bt = Bh + 8 + 128 x (8 + 4 + 4), a token's hidden bytes, source metadata
+(``sizeof(SourceMeta)``, ``csrc/kernels/internode.cu:17-18``: NVSHMEM compiled in), top-k
+indices and weights and scales. The barrier block only with an NVLink buffer
+(``deep_ep.cpp:171``); the RDMA buffer is 0 up to 8 ranks. ``configs.cuh`` is
+``csrc/kernels/configs.cuh``, ``config.hpp`` ``csrc/config.hpp``.
+
+[deepep buffer] ``Buffer(group, num_nvl_bytes, num_rdma_bytes)`` and the hints sizing them
+
+| term | where | bytes | source @94a9f8f |
+|---|---|---|---|
+| NVLink buffer (num_nvl_bytes) | device | a128(C Rn ((2 Rr + 3) 4 + r_nvl Bt)) | config.hpp:51-73 |
+| NVLink barrier signals and pointers | device | 8 x (4 + 8 + 8) | deep_ep.cpp:145-147 |
+| workspace | device | 32 MiB | configs.cuh:5, deep_ep.cpp:187 |
+| receive token counter | pinned | 8 | deep_ep.cpp:191 |
+| receive expert counters | pinned | 4 x 1024 | deep_ep.cpp:196 |
+| RDMA receive counter | pinned, never freed | 4 | deep_ep.cpp:203 |
+| RDMA buffer (num_rdma_bytes) | device | a128(C Rr (144 + 2 r_rdma (Bt+16))) | config.hpp:75-103 |
+
+``destroy()`` frees all but the RDMA receive counter (``deep_ep.cpp:269-309``).
 ``explicitly_destroy`` is honoured as deep_ep does: ``destroy()`` needs it, is collective, and
 leaves the buffer unusable; a flagged buffer dropped without it stays allocated (deep_ep leaks
 it) and the destructor's warning is printed.
@@ -113,6 +139,7 @@ import torch.distributed as dist
 
 from cpu_runtime import placement
 from cpu_runtime.emulation_common import (
+    BufferTerm,
     EventOverlap,
     all_to_all,
     buffer_device,
@@ -124,7 +151,6 @@ from cpu_runtime.emulation_common import (
     group_size,
     host_all_gather_ints,
     kernel_host_sync,
-    memory_planner,
     sent_token_ids,
     sum_rows,
 )
@@ -137,25 +163,88 @@ NUM_WORKSPACE_BYTES = 32 * 1024 * 1024
 NUM_MAX_LOCAL_EXPERTS = 1024
 
 
+# sizeof(internode::SourceMeta), two ints (csrc/kernels/internode.cu:17-18,40-42).
+SOURCE_META_BYTES = 8
+# kNumMaxTopK and kNumMaxScales of the size hints (csrc/config.hpp:54-55, 83-84).
+NUM_MAX_TOPK = 128
+NUM_MAX_SCALES = 128
+# Buffer.get_dispatch_config / get_combine_config: (nvl_send, nvl_recv, rdma_send, rdma_recv)
+# chunk tokens per group size (deep_ep/buffer.py:240-251 and 268-279); any other is refused.
+DISPATCH_CONFIGS = {
+    2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (36, 288, 20, 128),
+    24: (8, 288, 32, 128), 32: (32, 288, 32, 128), 64: (20, 288, 28, 128),
+    128: (20, 560, 32, 128), 144: (32, 720, 12, 128), 160: (28, 720, 12, 128),
+}  # fmt: skip
+COMBINE_CONFIGS = {
+    2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128),
+    24: (1, 288, 8, 128), 32: (1, 288, 8, 128), 64: (1, 288, 20, 128),
+    128: (1, 560, 12, 128), 144: (2, 720, 8, 128), 160: (2, 720, 8, 128),
+}  # fmt: skip
+
+
+def _align_up(value: int, multiple: int) -> int:
+    """``align_up`` (``csrc/config.hpp:14-17``)."""
+    return (value + multiple - 1) // multiple * multiple
+
+
 class Config:
-    """DeepEP's tuning ``Config(num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv)``: its
-    buffer size hints are the real ones (``csrc/config.hpp:51-103``, from the planner), the
-    RDMA receive chunk rounded up to a multiple of the send chunk (``config.hpp:45``)."""
+    """DeepEP's tuning ``Config(num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv)``
+    (``csrc/config.hpp:24-49``): the RDMA receive chunk is rounded up to a multiple of the send
+    chunk (``config.hpp:45``); the buffer size hints are the module docstring's
+    ``[deepep buffer]`` formulas, with NVSHMEM compiled in."""
 
     def __init__(self, num_sms: int = 20, *chunk_sizes: int) -> None:
         self.num_sms = num_sms
+        if len(chunk_sizes) == 4:
+            send, recv = chunk_sizes[2], chunk_sizes[3]
+            chunk_sizes = (*chunk_sizes[:3], _align_up(recv, send))
         self.chunk_sizes = chunk_sizes
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """NVLink buffer bytes for ``num_ranks`` ranks (``config.hpp:51-73``)."""
-        return memory_planner().deepep_nvl_bytes(
-            hidden_bytes, num_ranks, self.num_sms, self.chunk_sizes[1]
-        )
+        """NVLink buffer bytes for ``num_ranks`` ranks (``config.hpp:51-73``): per channel
+        (``num_sms / 2``) and NVLink rank, ``2 x RDMA ranks + 3`` int counters, then per
+        received-chunk token the hidden bytes, the source metadata, top-k indices (int64) and
+        weights (fp32) and the scales (fp32); rounded up to 128 bytes."""
+        rdma_ranks = max(num_ranks // NUM_MAX_NVL_PEERS, 1)
+        nvl_ranks = min(num_ranks, NUM_MAX_NVL_PEERS)
+        slots = self.num_sms // 2 * nvl_ranks
+        recv = self.chunk_sizes[1]
+        per_token = hidden_bytes + SOURCE_META_BYTES + NUM_MAX_TOPK * (8 + 4) + NUM_MAX_SCALES * 4
+        return _align_up(slots * (2 * rdma_ranks + 3) * 4 + slots * recv * per_token, 128)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """RDMA buffer bytes (``config.hpp:75-103``): 0 up to 8 ranks."""
-        _, _, send, recv = self.chunk_sizes
-        return memory_planner().deepep_rdma_bytes(hidden_bytes, num_ranks, self.num_sms, send, recv)
+        """RDMA buffer bytes (``config.hpp:75-103``): 0 up to ``NUM_MAX_NVL_PEERS`` ranks; else
+        per channel and RDMA rank ``(2 x 8 + 2) x 2`` int counters and, doubled (send and
+        receive), per received-chunk token what the NVLink hint holds plus an ``int4``."""
+        if num_ranks <= NUM_MAX_NVL_PEERS:
+            return 0
+        slots = self.num_sms // 2 * (num_ranks // NUM_MAX_NVL_PEERS)
+        recv = self.chunk_sizes[3]
+        per_token = hidden_bytes + SOURCE_META_BYTES + NUM_MAX_TOPK * (8 + 4) + NUM_MAX_SCALES * 4
+        counters = slots * (NUM_MAX_NVL_PEERS * 2 + 2) * 2 * 4
+        return _align_up(counters + slots * recv * (per_token + 16) * 2, 128)
+
+
+# The pinned host terms of buffer_terms (cudaMallocHost), the rest is device memory.
+_PINNED = ("receive token counter", "receive expert counters", "RDMA receive counter")
+
+
+def buffer_terms(num_nvl_bytes: int, num_rdma_bytes: int) -> List[BufferTerm]:
+    """Every allocation of one rank's normal-mode ``Buffer`` built with these byte counts
+    (megatron-core's ``get_buffer`` asks the :class:`Config` hints): the module docstring's
+    ``[deepep buffer]`` table, row for row."""
+    nvl = num_nvl_bytes > 0  # deep_ep.cpp:171
+    table = [
+        ("NVLink buffer (num_nvl_bytes)", num_nvl_bytes, "config.hpp:51-73", True),
+        ("NVLink barrier signals and pointers", NUM_MAX_NVL_PEERS * (4 + 8 + 8) if nvl else 0,
+         "deep_ep.cpp:145-147", True),
+        ("workspace", NUM_WORKSPACE_BYTES, "configs.cuh:5, deep_ep.cpp:187", True),
+        ("receive token counter", 8, "deep_ep.cpp:191", True),
+        ("receive expert counters", 4 * NUM_MAX_LOCAL_EXPERTS, "deep_ep.cpp:196", True),
+        ("RDMA receive counter", 4, "deep_ep.cpp:203", False),
+        ("RDMA buffer (num_rdma_bytes)", num_rdma_bytes, "config.hpp:75-103", True),
+    ]  # fmt: skip
+    return [BufferTerm(n, b, src, released) for n, b, src, released in table if b]
 
 
 # Buffers built with explicitly_destroy that were never destroyed, and the RDMA receive counter
@@ -236,24 +325,16 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         # The C++ runtime; destroy() sets it to None, as the real one does (buffer.py:143).
         self.runtime = _EmulatedRuntime()
-        # One allocation for the NVLink buffer with its barrier signals and pointers
-        # (NUM_MAX_NVL_PEERS x (int + void* + int*), deep_ep.cpp:145-147,171-174), the 32 MiB
-        # workspace (NUM_WORKSPACE_BYTES, kernels/configs.cuh:5; deep_ep.cpp:187) and the RDMA
-        # buffer (deep_ep.cpp:341-356).
-        nvl_meta = NUM_MAX_NVL_PEERS * (4 + 8 + 8) if num_nvl_bytes else 0
-        self.memory = torch.empty(
-            num_nvl_bytes + nvl_meta + NUM_WORKSPACE_BYTES + num_rdma_bytes,
-            dtype=torch.uint8,
-            device=buffer_device(),
-        )
-        # The mapped pinned receive counters (cudaMallocHost, deep_ep.cpp:191-206): the token
-        # counter (int64), one per local expert (int x NUM_MAX_LOCAL_EXPERTS) and the RDMA
-        # counter (int). destroy() frees the first two only (deep_ep.cpp:299-304).
-        # Page-locked where CUDA or the placement rules are there (pinning needs a driver).
+        self.terms = buffer_terms(num_nvl_bytes, num_rdma_bytes)
+        # One device allocation for the NVLink buffer with its barrier signals and pointers,
+        # the workspace and the RDMA buffer; the mapped pinned receive counters apart, the RDMA
+        # one alone: destroy() frees the others only (deep_ep.cpp:299-305). Page-locked where
+        # CUDA or the placement rules are there (pinning needs a driver).
+        device = sum(t.nbytes for t in self.terms if t.name not in _PINNED)
+        self.memory = torch.empty(device, dtype=torch.uint8, device=buffer_device())
         pin = torch.cuda.is_available() or placement.active()
-        self.host_counters = torch.empty(
-            8 + 4 * NUM_MAX_LOCAL_EXPERTS, dtype=torch.uint8, device="cpu", pin_memory=pin
-        )
+        counters = sum(t.nbytes for t in self.terms if t.name in _PINNED and t.released)
+        self.host_counters = torch.empty(counters, dtype=torch.uint8, device="cpu", pin_memory=pin)
         self.rdma_counter = torch.empty(4, dtype=torch.uint8, device="cpu", pin_memory=pin)
 
     @property
@@ -301,14 +382,14 @@ class Buffer:
     def get_dispatch_config(num_ranks: int) -> Config:
         """The recommended dispatch config (``buffer.py:240-253``): refuses a group size it
         has none for, as the real one asserts."""
-        configs = memory_planner().DEEPEP_DISPATCH_CONFIGS
+        configs = DISPATCH_CONFIGS
         assert num_ranks in configs, f"Unsupported number of EP ranks: {num_ranks}"
         return Config(Buffer.num_sms, *configs[num_ranks])
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
         """The recommended combine config (``buffer.py:268-281``)."""
-        configs = memory_planner().DEEPEP_COMBINE_CONFIGS
+        configs = COMBINE_CONFIGS
         assert num_ranks in configs, f"Unsupported number of EP ranks: {num_ranks}"
         return Config(Buffer.num_sms, *configs[num_ranks])
 

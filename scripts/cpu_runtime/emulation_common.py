@@ -13,10 +13,9 @@ host memory where gloo cannot take a device tensor. Only torch, the standard lib
 megatron-core is first imported.
 """
 
-import importlib.util
 import os
-import types
-from typing import List, Optional, Sequence, Tuple
+import re
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -97,22 +96,26 @@ def cdiv(a: int, b: int) -> int:
     return (max(a, 1) - 1) // b + 1
 
 
-def memory_planner() -> types.ModuleType:
-    """The overlay's ``moe_memory_planner`` (standard library only), by file path: the buffer
-    terms the emulation allocates are the planner's, read from deep_ep's source."""
-    global _PLANNER
-    if _PLANNER is None:
-        spec = importlib.util.spec_from_file_location("_moe_release_memory_planner", PLANNER)
-        _PLANNER = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(_PLANNER)
-    return _PLANNER
+class BufferTerm(NamedTuple):
+    """One allocation of an emulated kernel's buffer, as the emulation reads it from the kernel's
+    source: what it is, its bytes, the source lines that size it (``file:lines``, several
+    separated by ``, ``), and whether the kernel's ``destroy()`` frees it."""
+
+    name: str
+    nbytes: int
+    source: str
+    released: bool = True
 
 
-PLANNER = (
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    + "/megatron/core/transformer/moe/moe_memory_planner.py"
-)
-_PLANNER: Optional[types.ModuleType] = None
+def env_int(name: str, default: int) -> int:
+    """An integer environment setting as C's ``atoi`` reads it (leading blanks, a sign, the
+    digits that follow; 0 if none), ``default`` when unset: how deep_ep reads its tuning
+    variables (``get_env_int``, ``csrc/hybrid_ep/config.cuh:197-200``)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    match = re.match(r"[ \t\n\v\f\r]*([+-]?[0-9]+)", raw)
+    return int(match.group(1)) if match else 0
 
 
 def group_size(group) -> int:

@@ -111,9 +111,59 @@ the same pinned tensor and ``.sum()`` a 0-dim host tensor, which reaches the rep
 ``num_permuted_tokens`` (an int64 field in the real handle, taken through ``__index__``);
 drop-and-pad discards the kernel's counts for its own host ``torch.full``.
 
-The buffer: the real one is allocated outside PyTorch's allocator; the emulation allocates the
-same number of bytes (:func:`hybrid_ep_buffer_bytes`) as one tensor, so allocator counts see it
-live and die with the buffer object.
+**The buffer**, one rank's ``hybrid_ep_cpp.HybridEPBuffer`` (``hybrid_ep.cu:38-73``: the
+allocator, the NVLink coordinator, the custom all-gather), read from the source at 94a9f8f by
+this emulation itself, not taken from the memory planner, so that the report's planner rows
+compare two readings. The real buffer lives outside PyTorch's allocator (``cudaMalloc``, or
+cuMem with fabric handles, rounded to the granularity: not modelled); the emulation allocates
+the sum of the terms below as one tensor (``memory``; ``terms`` lists them), so allocator
+counts see it live and die with the buffer object. Intranode only: one NVLink domain, R the
+group size (``hybrid_ep_buffer.py:63-83``: ``NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN`` or the
+detected ranks; a smaller domain, i.e. several nodes, raises ``NotImplementedError``).
+Rows per rank: the first call's tokens, at least 512, rounded up to the combine chunk
+(``config.cuh:385-387``); a later call with more tokens rounds them to 16
+(``hybrid_ep_buffer.py:142``), then to the combine chunk (``config.cuh:466-468``), and a larger
+figure regrows the buffer (``config.cuh:557-559``, ``intranode.cu:136``), freeing the old one
+first (``hybrid_ep.cu:123-131``). N = rows x R (``intranode.cu:127-129``), S = preprocessing
+blocks (``num_sms_preprocessing_api``, else 108: ``config.cuh:365``), Cd / Cc = cdiv(rows,
+dispatch / combine chunk) (``config.cuh:388-391``; chunks of
+``NUM_OF_TOKENS_PER_CHUNK_DISPATCH_API`` / ``_COMBINE_API``, 64 unless set, read with ``atoi``:
+``config.cuh:197-200,383-384``). Files:
+``intranode.cu`` under ``csrc/hybrid_ep/buffer/``, ``allgather.cu`` under ``extension/``,
+``allocator.cu`` under ``allocator/``, ``hybrid_ep_backend.cuh`` under ``backend/``.
+
+[hybridep buffer] ``HybridEPBuffer(...)`` and its regrowth
+
+| term | ranks | bytes | source @94a9f8f |
+|---|---|---|---|
+| preprocessing scratch (ranks) | all | S x R x 8 | intranode.cu:180-181,185-187 |
+| preprocessing scratch (local experts) | all | S x E_l x 8 | intranode.cu:182-183,188-190 |
+| combine expert_input_token | all | N x H x 2 | intranode.cu:255,260 |
+| combine expert_input_prob | all | N x E_l x R x 4 | intranode.cu:256-257,261 |
+| combine write-completion flags | local rank 0 | 8 | intranode.cu:264-266 |
+| combine expected flag value | all | 8 | intranode.cu:269 |
+| combine flag parity | all | 4 | intranode.cu:271 |
+| combine expected unpermute flag | all | 4 | intranode.cu:274 |
+| combine chunk flags | all | Cc x R x 4 | intranode.cu:277-278 |
+| dispatch expert_output_scaling_factor | all | N x floor(H/128) x 4 | intranode.cu:201,213 |
+| dispatch write-completion flags | local rank 0 | 8 | intranode.cu:216-218 |
+| dispatch expected flag value | all | 8 | intranode.cu:220 |
+| dispatch flag parity | all | 4 | intranode.cu:222 |
+| dispatch expected permute flag | all | 4 | intranode.cu:226 |
+| dispatch chunk flags | all | Cd x R x 4 | intranode.cu:229-230 |
+| all-gather routing map | all | E_l x R x rows x R | allgather.cu:144-147 |
+| all-gather NVLink sync flag | local rank 0 | 8 | allgather.cu:150-154 |
+| all-gather SM sync flag | all | 8 | allgather.cu:157 |
+| all-gather iteration id | all | 8 | allgather.cu:159 |
+| all-gather peer pointers | all | R x 8 | allgather.cu:164 |
+| allocator probe | all | 512 | allocator.cu:62 |
+
+``hybrid_ep::tmp_state_t`` is ``{enum, int32}``, 8 bytes (``hybrid_ep_backend.cuh:79-87``).
+Not terms: the dispatch token and probability buffers alias the combine ones (deep_ep's
+default ``use_shared_buffer=True``, ``hybrid_ep_buffer.py:51``; ``intranode.cu:204-208``); the
+packed memory handles are pageable host tensors (``intranode.cu:245,292``,
+``allgather.cu:173``); the Python constructor's own ``ExtendedMemoryAllocator``
+(``hybrid_ep_buffer.py:61``) and its 512-byte probe are dropped when the constructor returns.
 """
 
 import os
@@ -125,16 +175,17 @@ import torch
 import torch.distributed as dist
 
 from cpu_runtime.emulation_common import (
+    BufferTerm,
     all_gather_rows,
     all_to_all,
     buffer_device,
     cdiv,
     count_set,
     dense_rows,
+    env_int,
     group_rank,
     group_size,
     kernel_host_sync,
-    memory_planner,
     pinned,
     sent_token_ids,
     sum_rows,
@@ -144,30 +195,95 @@ from cpu_runtime.emulation_common import (
 DEEP_EP_SOURCE_COMMIT = "94a9f8f6b146c07d97ec58f67cd6d303296d6098"
 
 
+# hybrid_ep::tmp_state_t {scan_state, int32_t}: backend/hybrid_ep_backend.cuh:79-87.
+TMP_STATE_BYTES = 8
+# Blocks of the preprocessing kernel when the caller passes none: config.cuh:365.
+DEFAULT_BLOCKS_PREPROCESSING = 108
+# The chunk sizes deep_ep reads from the environment (config.cuh:383-384) and the preprocessing
+# chunk (executor.cu:119-123), 64 tokens unless set.
+CHUNK_DISPATCH_ENV = "NUM_OF_TOKENS_PER_CHUNK_DISPATCH_API"
+CHUNK_COMBINE_ENV = "NUM_OF_TOKENS_PER_CHUNK_COMBINE_API"
+CHUNK_PREPROCESSING_ENV = "NUM_OF_TOKENS_PER_CHUNK_PREPROCESSING_API"
+RANKS_PER_DOMAIN_ENV = "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"
+
+
+def _round_up(value: int, multiple: int) -> int:
+    """``hybrid_ep_pad_num_of_tokens_per_rank`` (``config.cuh:52-62``): up to a multiple of the
+    chunk, unchanged for a chunk of 0 or less."""
+    return value if multiple <= 0 else (value + multiple - 1) // multiple * multiple
+
+
+def buffer_rows(first_tokens: int) -> int:
+    """Rows per rank the constructor sizes the buffer for (``config.cuh:385-387``)."""
+    return _round_up(max(first_tokens, 512), env_int(CHUNK_COMBINE_ENV, 64))
+
+
+def rows_after(rows: int, num_tokens: int) -> int:
+    """Rows after a dispatch of ``num_tokens`` against a buffer of ``rows``: the tokens rounded
+    to 16 (``hybrid_ep_buffer.py:141-147``), then to the combine chunk (``config.cuh:466-468``);
+    the buffer only grows (``grow_to``, ``intranode.cu:136``; ``config.cuh:557-559``)."""
+    return max(rows, _round_up((num_tokens + 15) // 16 * 16, env_int(CHUNK_COMBINE_ENV, 64)))
+
+
+def hybrid_ep_buffer_terms(
+    rows: int,
+    hidden_dim: int,
+    num_local_experts: int,
+    num_of_ranks: int,
+    local_rank: int,
+    blocks_preprocessing: Optional[int] = None,
+) -> List[BufferTerm]:
+    """Every allocation of one rank's HybridEP buffer for ``rows`` rows per rank, one NVLink
+    domain of ``num_of_ranks`` ranks: the module docstring's ``[hybridep buffer]`` table, row
+    for row. ``local_rank`` 0 also holds the flags its peers map."""
+    r, e_l, h = num_of_ranks, num_local_experts, hidden_dim
+    n = rows * r
+    blocks = blocks_preprocessing or DEFAULT_BLOCKS_PREPROCESSING
+    combine_chunks = cdiv(rows, env_int(CHUNK_COMBINE_ENV, 64))
+    dispatch_chunks = cdiv(rows, env_int(CHUNK_DISPATCH_ENV, 64))
+    nvl, ag = "intranode.cu", "allgather.cu"
+    rank0 = local_rank == 0
+    rows_of_table = [
+        ("preprocessing scratch (ranks)", blocks * r * TMP_STATE_BYTES, f"{nvl}:180-181,185-187"),
+        ("preprocessing scratch (local experts)", blocks * e_l * TMP_STATE_BYTES,
+         f"{nvl}:182-183,188-190"),
+        ("combine expert_input_token", n * h * 2, f"{nvl}:255,260"),
+        ("combine expert_input_prob", n * e_l * r * 4, f"{nvl}:256-257,261"),
+        ("combine write-completion flags", 8 if rank0 else 0, f"{nvl}:264-266"),
+        ("combine expected flag value", 8, f"{nvl}:269"),
+        ("combine flag parity", 4, f"{nvl}:271"),
+        ("combine expected unpermute flag", 4, f"{nvl}:274"),
+        ("combine chunk flags", combine_chunks * r * 4, f"{nvl}:277-278"),
+        ("dispatch expert_output_scaling_factor", n * (h // 128) * 4, f"{nvl}:201,213"),
+        ("dispatch write-completion flags", 8 if rank0 else 0, f"{nvl}:216-218"),
+        ("dispatch expected flag value", 8, f"{nvl}:220"),
+        ("dispatch flag parity", 4, f"{nvl}:222"),
+        ("dispatch expected permute flag", 4, f"{nvl}:226"),
+        ("dispatch chunk flags", dispatch_chunks * r * 4, f"{nvl}:229-230"),
+        ("all-gather routing map", e_l * r * rows * r, f"{ag}:144-147"),
+        ("all-gather NVLink sync flag", 8 if rank0 else 0, f"{ag}:150-154"),
+        ("all-gather SM sync flag", 8, f"{ag}:157"),
+        ("all-gather iteration id", 8, f"{ag}:159"),
+        ("all-gather peer pointers", r * 8, f"{ag}:164"),
+        ("allocator probe", 128 * 4, "allocator.cu:62"),
+    ]  # fmt: skip
+    return [BufferTerm(name, nbytes, src) for name, nbytes, src in rows_of_table if nbytes]
+
+
 def hybrid_ep_buffer_bytes(
     rows: int,
     hidden_dim: int,
     num_local_experts: int,
     num_of_ranks: int,
-    ranks_per_node: Optional[int] = None,
+    local_rank: int,
     blocks_preprocessing: Optional[int] = None,
 ) -> int:
-    """Device bytes of one rank's HybridEP buffer for ``rows`` rows per rank, every term the
-    planner reads from deep_ep's source (``moe_memory_planner.hybridep_buffer_terms``: the
-    16-bit combine tokens, FP32 probabilities of the NVLink domain's experts, FP32 scaling
-    factors ``floor(H/128)`` per token, the all-gathered routing map, chunk flags and scratch).
-    (1024 rows, 2 ranks, H=2048, 128 local experts: 11,254,272 bytes.)"""
-    planner = memory_planner()
-    r = ranks_per_node or num_of_ranks
-    layout = planner.HybridEPLayout(
-        hidden=hidden_dim,
-        local_experts=num_local_experts,
-        ranks_per_node=r,
-        nodes=num_of_ranks // r,
-        rows=rows,
-        blocks_preprocessing=blocks_preprocessing or planner.DEFAULT_BLOCKS_PREPROCESSING,
+    """Device bytes of one rank's HybridEP buffer (:func:`hybrid_ep_buffer_terms`). (1024 rows,
+    2 ranks, H=2048, 128 local experts: 11,254,272 bytes on local rank 1, 24 more on 0.)"""
+    terms = hybrid_ep_buffer_terms(
+        rows, hidden_dim, num_local_experts, num_of_ranks, local_rank, blocks_preprocessing
     )
-    return planner.total(planner.hybridep_buffer_terms(layout), planner.OUTSIDE)
+    return sum(t.nbytes for t in terms)
 
 
 @dataclass
@@ -213,9 +329,9 @@ class HybridEPBuffer:
     source rank and 64-token chunk (``NUM_OF_TOKENS_PER_CHUNK_PREPROCESSING_API``), the tokens
     received; ``handle[7]`` holds the unpadded counts before any budget drop.
 
-    The real buffer is allocated outside PyTorch's allocator; the emulation allocates the same
-    number of bytes (:func:`hybrid_ep_buffer_bytes`) as one tensor (``memory``), so allocator
-    counts see it live and die with the buffer object.
+    The real buffer is allocated outside PyTorch's allocator; the emulation allocates the sum
+    of its terms (``terms``, :func:`hybrid_ep_buffer_terms`) as one tensor (``memory``), so
+    allocator counts see it live and die with the buffer object.
     """
 
     def __init__(
@@ -249,10 +365,21 @@ class HybridEPBuffer:
         self.num_sms_preprocessing_api = num_sms_preprocessing_api
         self.num_blocks_permute = num_blocks_permute
         self.num_blocks_unpermute = num_blocks_unpermute
+        # Deprecated and ignored by deep_ep (hybrid_ep_buffer.py:53-55); kept for introspection.
         self.num_of_ranks_per_nvlink_domain = num_of_ranks_per_nvlink_domain
+        # The NVLink domain: the environment's size, else every rank of the group (on CPU ranks
+        # all are "accessible"), hybrid_ep_buffer.py:62-83.
+        env = os.environ.get(RANKS_PER_DOMAIN_ENV)
+        domain = int(env) if env is not None else self.group_size
+        if domain != self.group_size:
+            raise NotImplementedError(
+                f"The HybridEP emulation is intranode only: {RANKS_PER_DOMAIN_ENV}={domain} splits "
+                f"the group of {self.group_size} ranks into NVLink domains."
+            )
+        self.local_rank = self.rank % domain
         # Rows per rank: the first call's tokens, at least 512, rounded to the combine chunk
-        # (config.cuh:384-387); later calls grow them (_grow).
-        self.rows = memory_planner().hybridep_rows(max_num_of_tokens_per_rank)
+        # (config.cuh:385-387); later calls grow them (_grow).
+        self.rows = buffer_rows(max_num_of_tokens_per_rank)
         self._allocate()
 
     @property
@@ -265,21 +392,22 @@ class HybridEPBuffer:
         return SimpleNamespace(buffer_config=_BufferConfig(max_num_of_tokens_per_rank=self.rows))
 
     def _allocate(self) -> None:
-        self.nbytes = hybrid_ep_buffer_bytes(
+        self.terms = hybrid_ep_buffer_terms(
             self.rows,
             self.hidden_dim,
             self.num_local_experts,
             self.group_size,
-            self.num_of_ranks_per_nvlink_domain,
+            self.local_rank,
             self.num_sms_preprocessing_api,
         )
+        self.nbytes = sum(t.nbytes for t in self.terms)
         self.memory = torch.empty(self.nbytes, dtype=torch.uint8, device=buffer_device())
 
     def _grow(self, num_tokens: int) -> None:
-        """``update_buffer`` (``hybrid_ep_buffer.py:140-165``, ``hybrid_ep.cu:109-133``): a call
-        with more tokens than the rows grows them (tokens rounded to 16, then to the combine
-        chunk); the old buffer is freed before the new one is allocated."""
-        rows = memory_planner().hybridep_rows_after(self.rows, num_tokens)
+        """``update_buffer`` (``hybrid_ep_buffer.py:141-165``, ``hybrid_ep.cu:109-133``): a call
+        with more tokens than the rows grows them (:func:`rows_after`); the old buffer is freed
+        before the new one is allocated."""
+        rows = rows_after(self.rows, num_tokens)
         if rows > self.rows:
             self.rows = rows
             self.memory = None
@@ -359,7 +487,7 @@ class HybridEPBuffer:
             (num_tokens * size, local), dtype=torch.bool, device=dev
         )
         local_expert_routing_map[:received] = local_map
-        chunk = int(os.environ.get("NUM_OF_TOKENS_PER_CHUNK_PREPROCESSING_API", "64"))
+        chunk = env_int(CHUNK_PREPROCESSING_ENV, 64)
         chunks = cdiv(num_tokens, chunk)
         by_chunk = torch.zeros((size, chunks * chunk), dtype=torch.int32, device=dev)
         by_chunk[:, :num_tokens] = recv_mask.to(torch.int32)

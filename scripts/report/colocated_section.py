@@ -10,9 +10,11 @@ gloo ranks, the backend's kernels emulated), every communication buffer released
 allocating exactly the bytes that freed, then the next training step, which re-creates the
 buffers; the same two steps without the release give the reference it must equal bitwise.
 
-DeepEP v2's and NCCL EP's emulations size their buffers from the kernels' source, so their
-rows check the planner; HybridEP's emulation and DeepEP's byte hints still come from the
-planner's own terms, so those two rows cannot disagree with it.
+Every backend's emulation sizes its buffers from its own reading of the kernels' source, never
+from the planner, so each row checks the planner: the bytes the release freed against the
+planner's, and for HybridEP and DeepEP, whose emulations list their allocations, the planner's
+terms against the emulation's, one by one (``buffer_section.compare_terms``), naming any that
+differ.
 """
 
 import gc
@@ -21,8 +23,6 @@ from typing import Any, Callable, Dict, List, Optional
 TOKENS = 12
 EP = 2
 BACKENDS = ("hybridep", "deepep", "deepepv2", "ncclep")
-# Whose sizes the emulation derives without the planner (see the module docstring).
-INDEPENDENT = {"hybridep": False, "deepep": False, "deepepv2": True, "ncclep": True}
 
 
 def model_kwargs(backend: str) -> Dict[str, Any]:
@@ -45,8 +45,8 @@ def model_kwargs(backend: str) -> Dict[str, Any]:
     return out
 
 
-def predicted_bytes(config, tokens: int, ep: int) -> int:
-    """What the tree's memory planner says a release of ``config``'s buffers gives back."""
+def planner_terms(config, tokens: int, ep: int) -> list:
+    """The tree's memory planner's terms for ``config``'s communication buffers."""
     from megatron.core.transformer.moe import moe_memory_planner as planner
 
     cfg = planner.MoEMemoryConfig(
@@ -61,7 +61,7 @@ def predicted_bytes(config, tokens: int, ep: int) -> int:
         bf16=config.bf16,
         tokens_per_rank=tokens,
     )
-    return planner.released_bytes(planner.buffer_terms(cfg))
+    return planner.buffer_terms(cfg)
 
 
 def _step(layer, tokens: int, seed: int) -> Dict[str, Any]:
@@ -92,8 +92,10 @@ def rank_loop(backend: str, release: bool, tokens: int = TOKENS) -> Dict[str, An
     import torch.distributed as dist
 
     from cpu_runtime import cpu_memory
+    from cpu_runtime.compat import held_comm_buffers
     from cpu_runtime.moe_harness import build_moe_layer, init_megatron, moe_config
-    from megatron.core.transformer.moe import fused_a2a
+    from megatron.core.transformer.moe import fused_a2a, moe_memory_planner
+    from report.buffer_section import compare_terms
 
     cpu_memory.install()
     ep = dist.get_world_size()
@@ -103,6 +105,10 @@ def rank_loop(backend: str, release: bool, tokens: int = TOKENS) -> Dict[str, An
     layer.train()
     out: Dict[str, Any] = {"first": _step(layer, tokens, 3)}
     if release:
+        # The emulation's own reading of the buffers' allocations (HybridEP, DeepEP list them).
+        emulated = [t for b in held_comm_buffers(fused_a2a) for t in getattr(b, "terms", ())]
+        planned = planner_terms(config, tokens, ep)
+        out["mismatches"] = compare_terms(planned, emulated) if emulated else None
         gc.collect()
         before = cpu_memory.settled()
         fused_a2a.reset_fused_a2a_buffers()
@@ -113,7 +119,7 @@ def rank_loop(backend: str, release: bool, tokens: int = TOKENS) -> Dict[str, An
         # The rollout fits where the buffers were: the process stays at the training level.
         out["rollout_over_training"] = cpu_memory.max_memory_allocated() - before
         del rollout
-        out.update(freed=freed, predicted=predicted_bytes(config, tokens, ep))
+        out.update(freed=freed, predicted=moe_memory_planner.released_bytes(planned))
     out["second"] = _step(layer, tokens, 4)
     return out
 
@@ -132,8 +138,10 @@ def steps_equal(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
 
 
 def measure_backend(run: Callable[..., List[Any]], tree: str, backend: str) -> Dict[str, Any]:
-    """One backend's row: per rank what the release freed, the planner's figure, the rollout's
-    peak over the training level, and whether both steps equal the run without release.
+    """One backend's row: per rank what the release freed, the planner's figure, the planner's
+    terms the emulation's reading disagrees with (None where the emulation lists no terms), the
+    rollout's peak over the training level, and whether both steps equal the run without
+    release.
     ``run(target, world, tree, **kwargs)`` runs the ranks (the launcher, or a test's cache)."""
     target = f"{__name__}:rank_loop"
     kept = run(target, EP, tree, backend=backend, release=False)
@@ -141,12 +149,12 @@ def measure_backend(run: Callable[..., List[Any]], tree: str, backend: str) -> D
     return {
         "freed": [r["freed"] for r in freed],
         "predicted": [r["predicted"] for r in freed],
+        "mismatches": [r["mismatches"] for r in freed],
         "rollout_over_training": [r["rollout_over_training"] for r in freed],
         "bitwise": all(
             steps_equal(k["first"], r["first"]) and steps_equal(k["second"], r["second"])
             for k, r in zip(kept, freed)
         ),
-        "independent": INDEPENDENT[backend],
     }
 
 
@@ -171,6 +179,15 @@ def measure(tree: str, log: Callable[[str], None] = print, run=None) -> Dict[str
     return out
 
 
+def check_text(row: Dict[str, Any]) -> str:
+    """Rank 0's check: the bytes freed against the planner's, and the differing terms."""
+    mismatches = (row.get("mismatches") or [None])[0]
+    if row["freed"][0] == row["predicted"][0] and not mismatches:
+        return "agree" + (" (every term)" if mismatches is not None else "")
+    diff = row["freed"][0] - row["predicted"][0]
+    return f"DIFFER by {diff:+,} B" + "".join(f"; {m}" for m in mismatches or ())
+
+
 def lines(section: Optional[Dict[str, Any]], version: str = "") -> List[str]:
     """The rows: per backend, rank 0's bytes freed by the release and the planner's figure."""
     if not section:
@@ -179,14 +196,15 @@ def lines(section: Optional[Dict[str, Any]], version: str = "") -> List[str]:
         "",
         f"colocated RL: a training step, every comm buffer released, a rollout in the freed bytes,"
         f" the next step (MoELayer, EP={EP}, {TOKENS} tokens/rank, CPU runtime)",
-        f"{'backend':14}{'freed (rank 0)':>16}{'planner':>16}{'next step':>12}  planner checked",
+        f"{'backend':14}{'freed (rank 0)':>16}{'planner':>16}{'next step':>12}  planner vs the"
+        " emulation's reading of the kernels' source",
     ]
     for backend, row in section.items():
         if row is None:
             out.append(f"{backend:14}{'n/a':>16}{'':>16}{'':>12}  not on {version or 'this tree'}")
             continue
         same = "bitwise" if row["bitwise"] else "DIFFERS"
-        checked = "yes" if row["independent"] else "no (emulation sized by the planner)"
+        checked = check_text(row)
         out.append(
             f"{backend:14}{row['freed'][0]:>16,}{row['predicted'][0]:>16,}{same:>12}  {checked}"
         )

@@ -473,6 +473,13 @@ def comm_buffer_release(clock) -> Dict[str, Any]:
         b.memory.nbytes for b in buffers if isinstance(getattr(b, "memory", None), torch.Tensor)
     ]
     out: Dict[str, Any] = {"buffers": len(buffers), "emulated_bytes": sum(emulated)}
+    # The emulation's own reading of each buffer's allocations (HybridEP, DeepEP), which the
+    # report checks the planner's terms against.
+    out["terms"] = [
+        {"name": t.name, "nbytes": t.nbytes, "source": t.source}
+        for b in buffers
+        for t in getattr(b, "terms", None) or ()
+    ]
     release = getattr(fused_a2a, "reset_fused_a2a_buffers", None)
     if release is None:
         out.update(allocator_bytes_released=None, device_bytes_released=None)

@@ -8,11 +8,10 @@ buffers, bitwise equal to the same two steps without the release.
 The loop is the memory report's (``report.colocated_section``), so what these tests check is
 what the report prints. megatron-core's real MoELayer on CPU gloo ranks, the backend's kernels
 emulated with their buffers allocated through the counted allocator. What the release frees
-is compared with the memory planner's prediction: for DeepEP v2 and NCCL EP the emulations size
-their buffers from the kernels' source, so that is a check of the planner; HybridEP's emulation
-and DeepEP's byte hints are still the planner's own terms, so for them it checks only that the
-release frees everything the buffers hold. DeepEP v2 exists on dev only, NCCL EP from 0.19
-(their cases are deselected elsewhere).
+is compared with the memory planner's prediction, a check of the planner: every emulation sizes
+its buffers from its own reading of the kernels' source, and for HybridEP and DeepEP the
+planner's terms are compared with the emulation's one by one. DeepEP v2 exists on dev only,
+NCCL EP from 0.19 (their cases are deselected elsewhere).
 """
 
 import sys
@@ -27,15 +26,35 @@ BACKENDS = [
 ]
 
 
+# The flags HybridEP's local rank 0 holds beyond the others (3 x 8 bytes: deep_ep 94a9f8f
+# intranode.cu:216-218,264-266, allgather.cu:150-154), which the planner does not price; the
+# check names them on rank 0 until it does (then this goes, and rank 0 agrees as rank 1 does).
+PLANNER_OMITS_ON_LOCAL_RANK_0 = (
+    "'combine write-completion flags'",
+    "'dispatch write-completion flags'",
+    "'all-gather NVLink sync flag'",
+)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_release_for_a_colocated_rollout(dist_job, patched_tree, backend):
     """Released, the buffers free what the planner predicts (device and pinned host, less
     what the kernel's destroy leaks: DeepEP's RDMA receive counter, NCCL EP's device
-    communicator); the rollout fits in what they freed; the next step re-creates them and both
-    steps are bitwise those of the run without the release."""
+    communicator), term by term where the emulation lists its terms; the rollout fits in what
+    they freed; the next step re-creates them and both steps are bitwise those of the run
+    without the release."""
     row = colocated_section.measure_backend(dist_job, patched_tree, backend)
+    listed = backend in ("hybridep", "deepep")
     for rank, (freed, predicted) in enumerate(zip(row["freed"], row["predicted"])):
-        assert freed > 0 and freed == predicted, f"rank {rank}: freed {freed}, planner {predicted}"
+        mismatches = row["mismatches"][rank]
+        assert (mismatches is not None) == listed, mismatches
+        omitted = 0
+        if backend == "hybridep" and rank == 0:
+            assert len(mismatches) == 3, mismatches
+            assert all(any(n in m for m in mismatches) for n in PLANNER_OMITS_ON_LOCAL_RANK_0)
+            omitted, mismatches = 24, []
+        assert not mismatches, f"rank {rank}: {mismatches}"
+        assert freed > 0 and freed == predicted + omitted, f"rank {rank}: {freed}, {predicted}"
     assert all(n <= 0 for n in row["rollout_over_training"]), row["rollout_over_training"]
     assert row["bitwise"]
     print(f"\n{backend}: the release frees {row['freed'][0]:,} bytes per rank", file=sys.stderr)
@@ -58,3 +77,6 @@ def test_report_rows(dist_job, patched_tree):
             assert "n/a" in line and "not on 0.19.2" in line
         else:
             assert f"{row['freed'][0]:,}" in line and "bitwise" in line
+            assert ("DIFFER" in line) == (backend == "hybridep"), line
+            if backend == "hybridep":  # rank 0's flags, named (PLANNER_OMITS_ON_LOCAL_RANK_0)
+                assert "DIFFER by +24 B" in line and "write-completion flags" in line, line

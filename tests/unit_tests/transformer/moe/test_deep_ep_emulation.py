@@ -106,17 +106,52 @@ def test_loading_the_emulation_does_not_import_megatron(emulation):
 
 
 def test_buffers_allocate_their_documented_size(monkeypatch):
-    """The emulated buffers hold their real size in one counted tensor, the memory planner's
-    terms from deep_ep's source: HybridEP's for rows max(T, 512) rounded to the combine chunk
-    (by hand: 2,048 x (2 x 2048 + 4 x 256 + 4 x 16 + 256) + chunk flags 256 + scratch
-    108 x 130 x 8 + 576 small), DeepEP's NVLink + RDMA bytes with its barrier block and the
-    32 MiB workspace."""
+    """The emulated buffers hold their real size in one counted tensor, the emulation's own
+    reading of deep_ep's source (its ``[hybridep buffer]`` and ``[deepep buffer]`` tables):
+    HybridEP's for rows max(T, 512) rounded to the combine chunk (by hand, on local rank 1:
+    2,048 x (2 x 2048 + 4 x 256 + 4 x 16 + 256) + chunk flags 256 + scratch 108 x 130 x 8 +
+    576 small; local rank 0 holds three 8-byte flags more), DeepEP's NVLink + RDMA bytes with
+    its barrier block and the 32 MiB workspace."""
     emu = load_deep_ep_emulation()
-    assert emu.hybrid_ep_buffer_bytes(1024, 2048, 128, 2) == 11_254_272
+    assert emu.hybrid_ep_buffer_bytes(1024, 2048, 128, 2, local_rank=1) == 11_254_272
+    assert emu.hybrid_ep_buffer_bytes(1024, 2048, 128, 2, local_rank=0) == 11_254_272 + 24
     for tokens, chunk, rows in [(1, "64", 512), (513, "64", 576), (513, "128", 640)]:
         monkeypatch.setenv("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", chunk)
         buf = emu.HybridEPBuffer(None, 64, tokens, 4)
         assert buf.rows == rows
-        assert buf.memory.nbytes == buf.nbytes == emu.hybrid_ep_buffer_bytes(rows, 64, 4, 1)
+        assert buf.memory.nbytes == buf.nbytes == emu.hybrid_ep_buffer_bytes(rows, 64, 4, 1, 0)
+        assert buf.nbytes == sum(t.nbytes for t in buf.terms)
     monkeypatch.delenv("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API")
     assert emu.Buffer(None, 4096, 1024).memory.nbytes == 4096 + 160 + 32 * 1024 * 1024 + 1024
+
+
+def _buffer_table(module) -> list:
+    """The (term, source) rows of a module docstring's buffer table (its header's first cell is
+    ``term``)."""
+    rows, in_table = [], False
+    for line in module.__doc__.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|"):
+            in_table = False
+        elif cells[0] == "term":
+            in_table = True
+        elif in_table and not set(line) <= set("|-"):
+            rows.append((cells[0], cells[-1]))
+    return rows
+
+
+def test_buffer_tables_list_every_term():
+    """Each emulation allocates exactly its docstring's buffer table, row for row (name and
+    cited source): the table a reader checks against deep_ep is the code that runs."""
+    from cpu_runtime import deepep_emulation, hybridep_emulation
+
+    terms = hybridep_emulation.hybrid_ep_buffer_terms(512, 256, 4, 2, local_rank=0)
+    assert [(t.name, t.source) for t in terms] == _buffer_table(hybridep_emulation)
+    rank1 = hybridep_emulation.hybrid_ep_buffer_terms(512, 256, 4, 2, local_rank=1)
+    assert {t.name for t in terms} - {t.name for t in rank1} == {
+        "combine write-completion flags",
+        "dispatch write-completion flags",
+        "all-gather NVLink sync flag",
+    }
+    terms = deepep_emulation.buffer_terms(4096, 1024)
+    assert [(t.name, t.source) for t in terms] == _buffer_table(deepep_emulation)
