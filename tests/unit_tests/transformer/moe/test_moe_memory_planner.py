@@ -367,6 +367,24 @@ def test_a_wrong_hybridep_planner_term_is_caught(monkeypatch, name, delta, named
     assert repr(named) in bad, bad
 
 
+def test_report_checks_the_deepep_buffer_terms():
+    """With ``--backend deepep`` the report's buffer rows are DeepEP's: the planner's buffer
+    for the report's fp32 model (hidden bytes H x 4, fused_a2a.get_hidden_bytes) against the
+    terms of the buffer megatron's get_buffer builds from the emulation's hints."""
+    from cpu_runtime import deepep_emulation as dep
+    from report import buffer_section
+
+    cfg = {"hidden": 64, "experts": 8, "topk": 2, "tokens": 512, "backend": "deepep"}
+    configs = (dep.Buffer.get_dispatch_config(2), dep.Buffer.get_combine_config(2))
+    nvl = max(c.get_nvl_buffer_size_hint(64 * 4, 2) for c in configs)
+    buf = dep.Buffer(None, nvl, 0)
+    run = {"comm_buffers": {"emulated_bytes": buf.memory.nbytes,
+                            "terms": [t._asdict() for t in buf.terms]}}  # fmt: skip
+    lines = buffer_section.hybridep_accounting_lines(cfg, run, 2)
+    assert lines[0].startswith("DeepEP accounting") and "1.000" in lines[1], lines
+    assert "planner = emulation's reading of deep_ep, 6 allocations" in lines[-1], lines
+
+
 @pytest.mark.parametrize(
     "wrong",
     ["nvl hint +128", "drop workspace", "drop receive counters", "RDMA counter freed"],
