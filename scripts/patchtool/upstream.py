@@ -52,6 +52,14 @@ PR_TOPICS = {
         "NCCL EP's context",
     ),
 }
+# The flex backends a topic's upstream-layout tests have cases for (each skips without its own).
+TOPIC_BACKENDS = {
+    "dispatcher-state": "deep_ep or HybridEP",
+    "a2a-overlap": "deep_ep or HybridEP",
+    "hybridep-groups": "HybridEP",
+    "comm-buffers": "deep_ep, HybridEP or TE's NCCL EP",
+}
+TOPIC_BACKENDS_ON = {("comm-buffers", "dev"): "deep_ep, HybridEP, TE's NCCL EP or DeepEP v2"}
 # A PR built on another one, which must merge first: its diffs are made on top of that PR's.
 TOPIC_DEPENDS = {"comm-buffers": ("hybridep-groups",)}
 TOPICS = ("memory", *PR_TOPICS, "cpu-import")
@@ -632,9 +640,7 @@ def pr_description(target: str, topic: str, series: list, root: Path = REPO_ROOT
             out += ["They need no GPU and no process group. Each fails on the commit before the"]
             out += ["fix and passes on it (checked on CPU, on each target branch)."]
         else:
-            backends = "deep_ep, HybridEP or TE's NCCL EP"
-            if topic == "a2a-overlap":  # no NCCL EP case
-                backends = "deep_ep or HybridEP"
+            backends = TOPIC_BACKENDS_ON.get((topic, target), TOPIC_BACKENDS[topic])
             out += ["", "```sh", "torchrun --nproc-per-node 8 -m pytest " + " ".join(test_files)]
             out += ["```", "", "Not yet run on GPUs: that each fails on the commit before its fix"]
             out += ["and passes on it is unverified there. The tests need CUDA and 8 ranks, and"]
