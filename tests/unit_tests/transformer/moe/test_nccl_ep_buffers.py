@@ -355,10 +355,14 @@ def rank_teardown_with_a_stuck_peer(bound: float):
     from cpu_runtime import te_ep_emulation as te
     from cpu_runtime.moe_harness import init_megatron
     from megatron.core import parallel_state
+    from megatron.core.transformer.moe import fused_a2a
+    from tests.unit_tests.transformer.moe import moe_cpu_harness as harness
 
     init_megatron(ep=2)
     dispatcher = _dispatcher(_config(2, zero_copy=False))
     _step(dispatcher, 3)
+    with harness.capturing(fused_a2a):  # a graph that may still replay on the context
+        _step(dispatcher, 4)
     ep_group = dispatcher._comm_manager.group
     if dist.get_rank() == 1:
         dist.barrier()
@@ -377,6 +381,11 @@ def rank_teardown_with_a_stuck_peer(bound: float):
         "bootstrapped": te.installed()._BOOTSTRAPPED,
         "warnings": warnings,
     }
+    try:  # the context is still live, and so may be the graph that captured a dispatch on it
+        fused_a2a.reset_fused_a2a_buffers(timeout=1.0)
+        out["second_release"] = "released"
+    except (RuntimeError, TimeoutError) as exc:
+        out["second_release"] = f"{type(exc).__name__}: {exc}"
     dist.barrier()
     dist.barrier()
     return out
@@ -384,15 +393,19 @@ def rank_teardown_with_a_stuck_peer(bound: float):
 
 def test_teardown_with_a_stuck_peer_leaves_the_context(dist_job, patched_tree):
     """A teardown whose wait for the EP group gave up (a peer stuck in another collective) does
-    not finalize NCCL EP afterwards: TE's ep_finalize deregisters symmetric-memory windows and
-    ncclEpGroupDestroy synchronizes the device, both of which wait for that peer. The context
-    stays bootstrapped and the warning says why (the series at 2b85988 finalized it there)."""
+    not finalize NCCL EP afterwards, nor forget that a graph captured a dispatch on it: TE's
+    ep_finalize deregisters symmetric-memory windows and ncclEpGroupDestroy synchronizes the
+    device, both of which wait for that peer. The context stays bootstrapped and the warning
+    says why (the series at 2b85988 finalized it there)."""
     r0, _ = dist_job(
         f"{THIS}:rank_teardown_with_a_stuck_peer", 2, patched_tree, timeout=90.0, bound=3.0
     )
     assert 3.0 <= r0["elapsed"] < 8.0, r0
     assert r0["bootstrapped"], r0
     assert any("TimeoutError" in w for w in r0["warnings"]), r0
+    # ... and still refuses a release while a captured graph may replay on it (the series at
+    # 8fe4dde forgot the capture on the failed wait and waited for the stuck peer again).
+    assert r0["second_release"].startswith("RuntimeError") and "CUDA graph" in r0["second_release"]
 
 
 def rank_two_groups_without_te_private_group():
