@@ -45,7 +45,7 @@ from .checkout import LABEL_SUBJECT, label_files
 from .common import REPO_ROOT, UserError, log
 from .git import COMMITTER_IDENT, FORMAT_PATCH_FLAGS, git, git_env
 from .landed import files_series_states
-from .patches import Patch, apply_file_patch, parse_patch
+from .patches import Patch, parse_patch
 from .pins import Base, load_pins
 from .port import (
     MARK_OURS,
@@ -60,6 +60,7 @@ from .port import (
     has_markers,
     merge_patch,
     parse_diff,
+    series_states,
 )
 from .repo import read_series
 from .source import read_base_files
@@ -369,20 +370,6 @@ def resolution_path(choice: Choice, ref: str, patch_name: str) -> Path:
     return choice.series_dir / APPLY_DIR / ref[:12] / f"{_stem(patch_name)}.diff"
 
 
-def _series_states(
-    base_files: dict[str, bytes], series: list[tuple[str, bytes]]
-) -> list[tuple[Patch, Files, Files]]:
-    files: Files = dict(base_files)
-    out = []
-    for name, data in series:
-        patch = parse_patch(data, name)
-        before = {fp.path: files.get(fp.path) for fp in patch.files}
-        for fp in patch.files:
-            files[fp.path] = apply_file_patch(files.get(fp.path), fp, name)
-        out.append((patch, before, {fp.path: files.get(fp.path) for fp in patch.files}))
-    return out
-
-
 def _renames(co: Checkout, anchor: str, ref: str, paths: set[str]) -> dict[str, str]:
     """Files of the base at ``paths`` that REF has under another name (git's rename test)."""
     text = co.out("diff", "-M", "--diff-filter=R", "--name-status", "-z", anchor, ref)
@@ -463,7 +450,7 @@ def _prepare(
     base = choice.base
     log(f"{co.describe(ref)}: nearest series {base.series} ({choice.why})")
     source = co.path if base.is_commit and co.has(base.commit) else mirror
-    states = _series_states(read_base_files(base, source), read_series(base, root))
+    states = series_states(read_base_files(base, source), read_series(base, root))
     adir = choice.series_dir / APPLY_DIR / ref[:12]
     stored = {p.name: p.read_bytes() for p in sorted(adir.glob("*.diff"))} if adir.is_dir() else {}
     stems = {_stem(p.name) for p, _, _ in states}
@@ -566,8 +553,13 @@ def apply_series(
 
 
 def _label_commit(
-    repo: _Scratch, ref: str, head: str, base: Base, outcomes: list[Outcome],
-    stored: dict[str, bytes], root: Path,
+    repo: _Scratch,
+    ref: str,
+    head: str,
+    base: Base,
+    outcomes: list[Outcome],
+    stored: dict[str, bytes],
+    root: Path,
 ) -> tuple[str, str]:
     """The label commit on ``head`` (checkout.label_files), dated as the last patch."""
     applied = [o.patch for o in outcomes if o.verdict in (APPLIED, REPLAYED)]
@@ -583,10 +575,12 @@ def _label_commit(
     git(repo.path, "update-index", "--add", "--index-info", env=repo.env,
         input="".join(entries).encode())  # fmt: skip
     tree = git(repo.path, "write-tree", env=repo.env).decode().strip()
-    msg = (f"{LABEL_SUBJECT}{version}\n\n`pip install` of this checkout builds megatron-core "
-           f"{version}: the series of\n{base.name} ({len(applied)} commits below) applied on "
-           f"{ref[:12]} by moe-release's `apply`.\nThis commit stamps {PACKAGE_INFO}, adds "
-           "moe-release's new modules and the\nmanifest `moe_release.py verify` reads.\n")
+    msg = (
+        f"{LABEL_SUBJECT}{version}\n\n`pip install` of this checkout builds megatron-core "
+        f"{version}: the series of\n{base.name} ({len(applied)} commits below) applied on "
+        f"{ref[:12]} by moe-release's `apply`.\nThis commit stamps {PACKAGE_INFO}, adds "
+        "moe-release's new modules and the\nmanifest `moe_release.py verify` reads.\n"
+    )
     env = git_env(dict(GIT_AUTHOR_NAME=COMMITTER_IDENT[0], GIT_AUTHOR_EMAIL=COMMITTER_IDENT[1],
                        GIT_AUTHOR_DATE=date, GIT_COMMITTER_DATE=date))  # fmt: skip
     commit = git(repo.path, "commit-tree", tree, "-p", head, "-F", "-", env=env,

@@ -367,20 +367,29 @@ class PortResult:
     ok: bool
 
 
-def _primary_states(root: Path) -> tuple[list[tuple[str, Patch, Files, Files]], str]:
-    """Per primary patch: (name, patch, its files before, after) and the primary version."""
-    pins = load_pins(root / "patches" / "pins.toml")
-    base = pins.get(None)
-    series = read_series(base, root)
-    files: Files = dict(read_base_files(base))
+def series_states(
+    base_files: Files, series: list[tuple[str, bytes]]
+) -> list[tuple[Patch, Files, Files]]:
+    """Per patch of ``series`` applied in turn on ``base_files``: (patch, the files it changes
+    before it, after it)."""
+    files: Files = dict(base_files)
     out = []
     for name, data in series:
         patch = parse_patch(data, name)
         before = {fp.path: files.get(fp.path) for fp in patch.files}
         for fp in patch.files:
             files[fp.path] = apply_file_patch(files.get(fp.path), fp, name)
-        out.append((name, patch, before, {fp.path: files.get(fp.path) for fp in patch.files}))
-    return out, base.version
+        out.append((patch, before, {fp.path: files.get(fp.path) for fp in patch.files}))
+    return out
+
+
+def _primary_states(root: Path) -> tuple[list[tuple[str, Patch, Files, Files]], str]:
+    """Per primary patch: (name, patch, its files before, after) and the primary version."""
+    pins = load_pins(root / "patches" / "pins.toml")
+    base = pins.get(None)
+    series = read_series(base, root)
+    states = series_states(read_base_files(base), series)
+    return [(name, *state) for (name, _), state in zip(series, states)], base.version
 
 
 def _counterpart(patch: Patch, target: Target, primary_names: list[str]) -> str:
