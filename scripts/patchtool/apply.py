@@ -19,7 +19,11 @@ patch the result is
 - ``applied, resolution replayed``: a person's resolution for this commit, stored as
   ``<series dir>/apply/<commit12>/<patch stem>.diff`` (port's resolution format: the diff
   from the mechanical merge, conflict markers included, to the resolved files), is replayed;
-  ``--record RESOLVED`` stores them from a commit on REF with one commit per patch to apply;
+  ``--record RESOLVED`` stores them from a commit on REF with one commit per patch to apply.
+  One record serves an era: where the merge conflicts and REF has no resolution of its own,
+  the one recorded for the patch at the nearest commit REF descends from (of the same series)
+  is replayed, if it resolves every conflict; a merge that is clean is never changed by
+  another commit's record, and ``--record`` stores only what differs from that replay;
 - ``landed``: REF already holds the change (``landed``'s test over the whole series);
 - ``not applicable``: no file it changes exists at REF (where it went is the evidence);
 - ``conflict``: file, line, the patch's hunk, both sides and where a resolution would go.
@@ -353,6 +357,8 @@ class Outcome:
     note: str = ""
     conflicts: list[Conflict] = dataclasses.field(default_factory=list)
     resolution: Optional[Path] = None  # where a resolution for REF is (or would be) stored
+    replayed: Optional[str] = None  # the replayed resolution: its file name, or
+    # <commit12>/<file name> where it was recorded at an earlier commit
 
 
 @dataclasses.dataclass
@@ -439,6 +445,7 @@ class _Prepared:
     choice: Choice
     states: list[tuple[Patch, Files, Files]]  # per patch: it, its files before and after
     stored: dict[str, bytes]  # the resolutions stored for REF, by file name
+    eras: list[tuple[str, dict[str, bytes]]]  # earlier commits' resolutions, nearest first
     at_ref: Files  # REF's files, by their path at the base
     moved: dict[str, str]  # base path -> REF's path, for files renamed since the base
 
@@ -452,16 +459,62 @@ def _prepare(
     source = co.path if base.is_commit and co.has(base.commit) else mirror
     states = series_states(read_base_files(base, source), read_series(base, root))
     adir = choice.series_dir / APPLY_DIR / ref[:12]
-    stored = {p.name: p.read_bytes() for p in sorted(adir.glob("*.diff"))} if adir.is_dir() else {}
     stems = {_stem(p.name) for p, _, _ in states}
-    stale = [n for n in stored if n[: -len(".diff")] not in stems]
-    if stale:
-        raise UserError(f"{adir / stale[0]}: a resolution for no patch of {base.series}")
+    stored = _read_resolutions(adir, stems, base.series)
+    eras = []
+    for rdir in sorted(adir.parent.iterdir()) if adir.parent.is_dir() else []:
+        commit = co.has(rdir.name) if rdir.is_dir() and rdir != adir else None
+        if commit and commit != ref and co.is_ancestor(commit, ref):
+            records = _read_resolutions(rdir, stems, base.series)
+            eras.append((co.count(f"{commit}..{ref}"), rdir.name, records))
+    eras.sort(key=lambda e: e[:2])
     paths = {fp.path for p, _, _ in states for fp in p.files}
-    paths |= {fp.path for n, d in stored.items() for fp in parse_diff(Resolution.parse(d).diff, n)}
+    for n, d in [*stored.items(), *(i for *_, r in eras for i in r.items())]:
+        paths |= {fp.path for fp in parse_diff(Resolution.parse(d).diff, n)}
     at_ref = co.files(ref, sorted(paths))
     moved = _renames(co, choice.anchor, ref, {p for p in paths if at_ref.get(p) is None})
-    return _Prepared(choice, states, stored, _by_base_path(co, ref, paths, moved), moved)
+    return _Prepared(choice, states, stored, [(c12, r) for _, c12, r in eras],
+                     _by_base_path(co, ref, paths, moved), moved)  # fmt: skip
+
+
+def _read_resolutions(rdir: Path, stems: set[str], series: str) -> dict[str, bytes]:
+    """The resolutions stored in ``rdir`` (file name -> bytes); one for no patch of the
+    series is refused."""
+    stored = {p.name: p.read_bytes() for p in sorted(rdir.glob("*.diff"))} if rdir.is_dir() else {}
+    stale = [n for n in stored if n[: -len(".diff")] not in stems]
+    if stale:
+        raise UserError(f"{rdir / stale[0]}: a resolution for no patch of {series}")
+    return stored
+
+
+def _replay(result: Files, conflicts: list[Conflict], data: bytes, where: str) -> list[Conflict]:
+    """Replay the resolution ``data`` (stored at ``where``) on the merge ``result`` in place;
+    returns the conflicts it leaves unresolved (UserError: it does not apply)."""
+    res = Resolution.parse(data)
+    for fp in parse_diff(res.diff, where):
+        result[fp.path] = apply_with_offset(result.get(fp.path), fp, where)
+    unresolved = [c for c in conflicts if c.absent and c.path not in res.absent]
+    unresolved += [c for c in conflicts if not c.absent and has_markers(result.get(c.path))]
+    return unresolved
+
+
+def _era_replay(
+    prep: _Prepared, name: str, merged: Files, conflicts: list[Conflict]
+) -> Optional[tuple[str, Files]]:
+    """The merge ``merged`` (conflicting) with the resolution of patch file ``name`` recorded
+    at the nearest earlier commit that resolves every conflict: (``<commit12>/<name>``, the
+    files); None if no record does."""
+    for c12, records in prep.eras:
+        data = records.get(name)
+        if data is None:
+            continue
+        result = dict(merged)
+        try:
+            if not _replay(result, conflicts, data, f"{APPLY_DIR}/{c12}/{name}"):
+                return f"{c12}/{name}", result
+        except UserError:
+            continue
+    return None
 
 
 def _by_base_path(co: Checkout, rev: str, paths: set[str], moved: dict[str, str]) -> Files:
@@ -486,14 +539,14 @@ def apply_series(
     ``label``, a last commit makes ``pip install`` build ``<version>+moerelease...``
     (checkout.label_files)."""
     prep = _prepare(co, ref, mirror, root, series_name)
-    choice, states, stored, at_ref, moved = (
-        prep.choice, prep.states, prep.stored, prep.at_ref, prep.moved)  # fmt: skip
+    choice, states, at_ref, moved = prep.choice, prep.states, prep.at_ref, prep.moved
     landed = files_series_states(at_ref, [p for p, _, _ in states])
     ours: Files = dict(at_ref)
     outcomes: list[Outcome] = []
     repo = _Scratch(scratch, co)
     head = ref
     failed: dict[str, str] = {}  # file -> the patch that conflicted there
+    replayed: dict[str, bytes] = {}  # the resolutions replayed (Outcome.replayed -> bytes)
     for (patch, before, after), state in zip(states, landed, strict=True):
         out = Outcome(patch.name, APPLIED, resolution=resolution_path(choice, ref, patch.name))
         outcomes.append(out)
@@ -504,26 +557,29 @@ def apply_series(
         merged, conflicts = merge_patch(ours, before, after, patch)
         result: Files = dict(ours)
         result.update(merged)
-        res_data = stored.get(out.resolution.name)
+        res_data = prep.stored.get(out.resolution.name)
+        era = None if res_data is not None or not conflicts else _era_replay(
+            prep, out.resolution.name, result, conflicts)  # fmt: skip
         if res_data is not None:
-            res = Resolution.parse(res_data)
             try:
-                for fp in parse_diff(res.diff, str(out.resolution)):
-                    result[fp.path] = apply_with_offset(
-                        result.get(fp.path), fp, str(out.resolution)
-                    )
+                unresolved = _replay(result, conflicts, res_data, str(out.resolution))
             except UserError as exc:
                 out.verdict, out.note, out.conflicts = CONFLICT, str(exc), conflicts
                 failed.update({fp.path: patch.name for fp in patch.files})
                 continue
-            unresolved = [c for c in conflicts if c.absent and c.path not in res.absent]
-            unresolved += [c for c in conflicts if not c.absent and has_markers(result.get(c.path))]
             if unresolved:
                 out.verdict, out.conflicts = CONFLICT, unresolved
                 out.note = "the stored resolution does not resolve these"
                 failed.update({c.path: patch.name for c in unresolved})
                 continue
+            out.verdict, out.replayed = REPLAYED, out.resolution.name
+            replayed[out.replayed] = res_data
+        elif era is not None:
+            out.replayed, result = era
             out.verdict = REPLAYED
+            c12, _, fname = out.replayed.partition("/")
+            replayed[out.replayed] = dict(prep.eras)[c12][fname]
+            out.note = f"recorded at {out.replayed.partition('/')[0]}, which REF descends from"
         elif conflicts:
             modified = [fp.path for fp in patch.files if not fp.new_file]
             if modified and all(ours.get(p) is None for p in modified):
@@ -546,7 +602,7 @@ def apply_series(
     ok = all(o.verdict != CONFLICT for o in outcomes)
     version = None
     if ok and head != ref and label:
-        head, version = _label_commit(repo, ref, head, choice.base, outcomes, stored, root)
+        head, version = _label_commit(repo, ref, head, choice.base, outcomes, replayed, root)
     if ok and head != ref:
         git(scratch, "update-ref", "refs/heads/apply", head)
     return ApplyResult(ref, choice, outcomes, head if head != ref else None, ok, version)
@@ -558,14 +614,14 @@ def _label_commit(
     head: str,
     base: Base,
     outcomes: list[Outcome],
-    stored: dict[str, bytes],
+    replayed: dict[str, bytes],
     root: Path,
 ) -> tuple[str, str]:
     """The label commit on ``head`` (checkout.label_files), dated as the last patch."""
     applied = [o.patch for o in outcomes if o.verdict in (APPLIED, REPLAYED)]
     changed = git(repo.path, "diff", "--name-only", "--no-renames", ref, head).decode().split()
     scratch = Checkout(repo.path, repo.path / "objects", True)
-    version, files = label_files(ref, head, base, applied, scratch.files, changed, stored, root)
+    version, files = label_files(ref, head, base, applied, scratch.files, changed, replayed, root)
     date = git(repo.path, "log", "-1", "--format=%aI", head).decode().strip()
     git(repo.path, "read-tree", head, env=repo.env)
     entries = []
@@ -599,8 +655,10 @@ def record_resolutions(
     """Store what a person did at ``ref``: ``resolved`` is a commit on it whose first-parent
     commits since ``ref`` are the patches to apply there (the landed and not applicable ones
     left out), in order. Per patch, the difference from the mechanical merge (conflict markers
-    included) to that commit's files is stored as its resolution, and an old one with nothing
-    left to store deleted. Returns the files written and deleted, in words."""
+    included) to that commit's files is stored as its resolution, unless the record of an
+    earlier commit REF descends from gives those files (then nothing is: apply replays that
+    one), and an old one with nothing left to store deleted. Returns the files written and
+    deleted, in words."""
     if not co.is_ancestor(ref, resolved):
         raise UserError(f"--record {resolved}: not a descendant of REF {ref[:12]}")
     commits = co.out("rev-list", "--reverse", "--first-parent", f"{ref}..{resolved}").split()
@@ -628,6 +686,10 @@ def record_resolutions(
         k += 1
         result: Files = dict(ours)
         result.update(merged)
+        era = _era_replay(prep, path.name, result, conflicts) if conflicts else None
+        if era is not None and all(era[1].get(p) == done.get(p) for p in paths):
+            ours = done  # an earlier commit's record does it: nothing to store
+            continue
         diff = b"".join(
             file_diff(p, result.get(p), done.get(p))
             for p in sorted(paths) if result.get(p) != done.get(p)

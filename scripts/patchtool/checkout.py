@@ -99,7 +99,8 @@ def label_files(
     """(version, files) of the label commit on ``head`` (the series applied on ``ref``):
     package_info.py stamped, the new modules, the manifest and MANIFEST.in listing it.
     ``read(rev, paths)`` reads files at a commit; ``changed`` the paths the series changed;
-    ``resolutions`` those replayed (file name -> bytes)."""
+    ``resolutions`` those replayed (file name, or ``<commit12>/<file name>`` for one recorded
+    at an earlier commit -> bytes)."""
     overlay = dict(overlay_files(root))
     at_head = read(head, sorted({PACKAGE_INFO, MANIFEST_IN, MANIFEST_PATH, *overlay, *changed}))
     why = None
@@ -176,8 +177,12 @@ def verify_checkout_install(
     n = len(manifest["series"])
     adir = base.series_dir(root) / APPLY_DIR
     eras = [None] + (sorted(p.name for p in adir.iterdir() if p.is_dir()) if adir.is_dir() else [])
-    labels = [checkout_label(record["commit"], base, n, stored_resolutions(base, era, root), root)
-              for era in eras]  # fmt: skip
+    sets = [stored_resolutions(base, era, root) for era in eras]
+    named = {}  # the resolutions the manifest names (<commit12>/<file>: recorded at another)
+    for key in record.get("resolutions", []):
+        path = adir / (key if "/" in key else f"{record['commit'][:12]}/{key}")
+        named[key] = path.read_bytes() if path.is_file() else b""
+    labels = [checkout_label(record["commit"], base, n, s, root) for s in [*sets, named]]
     now = labels[0]
     if label not in labels:
         problems.append(f"built from another series than this repository's: label {label}, "

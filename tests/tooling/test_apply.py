@@ -2,6 +2,7 @@
 on a synthetic Megatron-shaped git repository built here (main and dev lines, one pinned base
 on each, a series for each), and once on the real mirror where it is at hand."""
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -22,6 +23,7 @@ from patchtool.apply import (
     resolution_path,
     run_apply,
 )
+from patchtool.checkout import verify_checkout_install
 from patchtool.common import UserError
 from patchtool.git import format_patches, git, git_env
 from patchtool.port import Resolution, file_diff, has_markers, merge_file
@@ -273,6 +275,67 @@ def test_a_stored_resolution_is_replayed(mlm):
     assert _git(m, "rev-list", "--count", f"{c[1]}..{branch}") == "3"  # and the label
 
 
+def _store_c1_resolution(m: Path, c: dict, repo: Path) -> tuple[Path, str]:
+    """A person's resolution of the release patch at c1 (where it conflicts), stored."""
+    before_td = _git(m, "show", f"{c['B']}:{TD}").encode() + b"\n"
+    theirs = before_td.replace(
+        b"        return output\n", RELEASE.encode() + b"        return output\n"
+    )
+    merged, n = merge_file(DISPATCHER.encode(), before_td, theirs)
+    assert n == 1
+    resolved = DISPATCHER.replace("        return output\n", RELEASE + "        return output\n")
+    path = resolution_path(choose_series(open_checkout(m), c[1], repo), c[1], P_RELEASE)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(Resolution(file_diff(TD, merged, resolved.encode()), []).to_bytes(
+        P_RELEASE, c[1][:12]))  # fmt: skip
+    return path, resolved
+
+
+def test_one_record_serves_the_commits_after_it(mlm, capsys):
+    """A resolution recorded at c1 is replayed at d0, which descends from c1 and conflicts the
+    same way (one record per era, not per commit); at c2, where the merge is clean, it is not
+    replayed; a record at d0 from apply's branch stores nothing; the label names the record
+    and verify recomputes it."""
+    m, c, repo = mlm
+    path, resolved = _store_c1_resolution(m, c, repo)
+    series = f"main-{c['B'][:7]}"
+    _, plain, _ = _apply(m, c["d0"], repo, series_name=series, dry_run=True)
+    path.rename(path.with_suffix(".off"))  # without the record: the same conflict as c1's
+    _, without, _ = _apply(m, c["d0"], repo, series_name=series, dry_run=True)
+    path.with_suffix(".off").rename(path)
+    assert _verdicts(without)[P_RELEASE] == CONFLICT
+    assert _verdicts(plain)[P_RELEASE] == REPLAYED
+    co, result, _ = _apply(m, c["d0"], repo, series_name=series)
+    release = next(o for o in result.outcomes if o.patch == P_RELEASE)
+    assert release.verdict == REPLAYED
+    assert release.note == f"recorded at {c[1][:12]}, which REF descends from"
+    branch = f"moe-release/{c['d0'][:12]}"
+    assert _git(m, "show", f"{branch}:{TD}") + "\n" == resolved
+    manifest = json.loads(_git(m, "show", f"{branch}:megatron/core/_moe_release_manifest.json"))
+    assert manifest["base"]["resolutions"] == [f"{c[1][:12]}/{path.name}"]
+    installed = m.parent / "installed"
+    installed.mkdir()
+    archive = subprocess.run(["git", "-C", str(m), "archive", branch, "megatron"],
+                             capture_output=True, check=True).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(installed)], input=archive, check=True)
+    core = installed / "megatron" / "core"
+    assert verify_checkout_install(core, manifest["version"], manifest, root=repo) == []
+    path.write_bytes(path.read_bytes().replace(b"self.probs = None", b"self.probs = 0"))
+    assert any(
+        p.startswith("built from another series")
+        for p in verify_checkout_install(core, manifest["version"], manifest, root=repo)
+    )
+    path.write_bytes(path.read_bytes().replace(b"self.probs = 0", b"self.probs = None"))
+    # Recorded at d0 from apply's branch: the era's record gives the same, nothing is stored.
+    assert cli.main(["apply", str(m), "--ref", c["d0"], "--series", series,
+                     "--record", branch]) == 0  # fmt: skip
+    assert capsys.readouterr().out.endswith("\nunchanged\n")
+    assert not (path.parent.parent / c["d0"][:12]).exists()
+    # c2 descends from c1 too, but merges cleanly: the record is not replayed there.
+    _, clean, _ = _apply(m, c[2], repo, dry_run=True)
+    assert _verdicts(clean)[P_RELEASE] == APPLIED
+
+
 def test_record_stores_what_a_person_resolved(mlm, capsys):
     """`apply --record RESOLVED`: a person resolves at c1 with git (a commit per patch to
     apply, here the conflicting one resolved by hand and the clean one as it merges); per patch
@@ -301,7 +364,8 @@ def test_record_stores_what_a_person_resolved(mlm, capsys):
     _, result, _ = _apply(m, c[1], repo)
     assert _verdicts(result) == {P_STASH: NOT_APPLICABLE, P_RELEASE: REPLAYED, P_BUFFER: APPLIED}
     assert _git(m, "rev-parse", f"moe-release/{c[1][:12]}~1^{{tree}}") == _git(
-        m, "rev-parse", "resolved^{tree}")  # fmt: skip (~1: below the label commit)
+        m, "rev-parse", "resolved^{tree}"
+    )  # fmt: skip (~1: below the label commit)
     # Recorded again from the branch apply made: the same resolution, nothing written.
     _git(m, "branch", "again", f"moe-release/{c[1][:12]}")
     assert cli.main(["apply", str(m), "--ref", c[1], "--record", "again"]) == 0
