@@ -39,7 +39,7 @@ from .checkout import build_checkout_trees, is_checkout_manifest, verify_checkou
 from .common import UserError, log
 from .git import create_edit_repo, export_series
 from .landed import landed_states
-from .matrix import compare_lines, record_run, table, update_file
+from .matrix import compare_lines, record_run, retention_passed_unpatched, table, update_file
 from .patches import overlay_label, parse_patch
 from .pins import load_pins
 from .port import all_target_names, port_all, report_lines
@@ -363,8 +363,10 @@ def _cmd_matrix(args: argparse.Namespace) -> int:
                           checkout=checkout)  # fmt: skip
         print(path)
         if checkout is not None:
-            for line in compare_lines(json.loads(path.read_text())):
+            record = json.loads(path.read_text())
+            for line in compare_lines(record):
                 print(line)
+            return 1 if retention_passed_unpatched(record) else 0
         return 0
     text = table()
     if args.update:

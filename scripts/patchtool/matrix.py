@@ -95,14 +95,35 @@ def _nodeid(classname: str, name: str) -> str:
     return "/".join(parts[: module + 1]) + ".py::" + "::".join(parts[module + 1 :] + [name])
 
 
-def junit_outcomes(path: Path) -> dict[str, str]:
-    """{node id relative to tests/unit_tests: passed|failed|skipped} of a JUnit XML file."""
+# What a test says of itself in the JUnit XML (tests/unit_tests/conftest.py writes it): a guard
+# passes with and without the series (it checks what the series must not change); "n/a: WHY"
+# where the tree lacks what it tests. Either may pass on the commit without the series.
+KIND_PROPERTY = "moe_release"
+GUARD = "guard"
+
+
+def junit_kinds(path: Path) -> dict[str, str]:
+    """{node id: what the test recorded as its ``moe_release`` property} of a JUnit XML file."""
+    out = {}
+    for case in _cases(path):
+        for prop in case.iter("property"):
+            if prop.get("name") == KIND_PROPERTY:
+                out[_nodeid(case.get("classname", ""), case.get("name", ""))] = prop.get("value")
+    return out
+
+
+def _cases(path: Path) -> list:
     try:
         root = ET.parse(path).getroot()
     except (OSError, ET.ParseError) as exc:
         raise UserError(f"{path}: cannot read the JUnit XML: {exc}") from None
+    return list(root.iter("testcase"))
+
+
+def junit_outcomes(path: Path) -> dict[str, str]:
+    """{node id relative to tests/unit_tests: passed|failed|skipped} of a JUnit XML file."""
     out = {}
-    for case in root.iter("testcase"):
+    for case in _cases(path):
         tags = {child.tag for child in case}
         outcome = (
             "failed"
@@ -145,8 +166,14 @@ def record_run(
         if not name.startswith(CHECKOUT_PREFIX):
             raise UserError(f"--record {name}: a checkout's run is named {CHECKOUT_PREFIX}...")
         before = junit_outcomes(unpatched) if unpatched.exists() else {}
-        extra = {"source": source,
-                 "unpatched_release_tests": {n: before.get(n, "deselected") for n in release}}
+        kinds = junit_kinds(unpatched) if unpatched.exists() else {}
+        for n, kind in kinds.items():  # a guard's or an n/a test's pass checks no retention
+            if before.get(n) == "passed":
+                before[n] = f"passed ({kind})"
+        extra = {
+            "source": source,
+            "unpatched_release_tests": {n: before.get(n, "deselected") for n in release},
+        }
         backends = flex_backends(tree)
     else:
         base = load_pins(root / "patches" / "pins.toml").get(name)
@@ -174,6 +201,12 @@ def record_run(
     return out
 
 
+def retention_passed_unpatched(record: dict) -> list[str]:
+    """The release tests of a checkout's run that passed on the commit without the series
+    though they are neither guards nor n/a there: each retention test must fail there."""
+    return sorted(t for t, o in record.get("unpatched_release_tests", {}).items() if o == "passed")
+
+
 def compare_lines(record: dict) -> list[str]:
     """A checkout's run in words: the release tests on the patched commit and, each, on the
     commit without the series (where a retention test must fail)."""
@@ -181,13 +214,16 @@ def compare_lines(record: dict) -> list[str]:
     n = len(now)
     passed = sum(o == "passed" for o in now.values())
     failed_before = sorted(t for t, o in before.items() if o == "failed")
-    passed_before = sorted(t for t, o in before.items() if o == "passed")
+    checks = sorted((t, o) for t, o in before.items() if o.startswith("passed ("))
+    wrong = retention_passed_unpatched(record)
     lost = sorted(t for t, o in before.items() if o == "deselected")
     out = [f"{record['base']}: {record['source']}",
            f"  patched: {passed} of {n} release tests passed",
-           f"  unpatched: {len(failed_before)} of them failed, {len(passed_before)} passed, "
-           f"{len(lost)} not collected (the tree lacks what they test)"]  # fmt: skip
-    out += [f"    passed unpatched (no retention check): {t}" for t in passed_before]
+           f"  unpatched: {len(failed_before)} of them failed, {len(checks)} passed as they "
+           f"should (guards, n/a), {len(wrong)} retention test(s) passed, {len(lost)} not "
+           "collected (the tree lacks what they test)"]  # fmt: skip
+    out += [f"    passed unpatched {o[len('passed ') :]}: {t}" for t, o in checks]
+    out += [f"    RETENTION TEST PASSED UNPATCHED (it shows no fix): {t}" for t in wrong]
     out += [f"    failed patched: {t}" for t, o in sorted(now.items()) if o != "passed"]
     return out
 

@@ -27,7 +27,7 @@ from patchtool.checkout import (
     verify_checkout_install,
 )
 from patchtool.common import UserError
-from patchtool.matrix import compare_lines, record_run, table
+from patchtool.matrix import compare_lines, record_run, retention_passed_unpatched, table
 from patchtool.repo import overlay_files
 from patchtool.trees import MANIFEST_PATH
 
@@ -107,17 +107,20 @@ def _junit(path: Path, cases: dict) -> None:
     path.write_text(f'<?xml version="1.0"?><testsuites><testsuite>{body}</testsuite></testsuites>')
 
 
-def test_a_checkout_run_is_a_matrix_row_with_the_unpatched_outcomes(tmp_path, repo):
+def test_a_checkout_run_is_a_matrix_row_with_the_unpatched_outcomes(
+    tmp_path, repo, capsys, monkeypatch
+):
     """run-tests --checkout records checkout-<commit12> with its source and, per release test,
-    its outcome without the series: the row says how many failed there, and the words name a
-    test that passed there (it checks no retention)."""
+    its outcome without the series: the row says how many failed there, the words name a guard
+    that passed there, and a retention test that passes there is named and fails the run."""
     (repo / "tests" / "unit_tests").mkdir(parents=True)
     shutil.copy(REPO_ROOT / "tests/unit_tests/conftest.py", repo / "tests/unit_tests/conftest.py")
     retention = "test_nothing_of_the_forward_outlives_backward[flex-hybridep-ep2-x]"
     equal = "test_bitwise_equal_to_base[flex-hybridep-ep2-x]"
     gone = "test_nothing_of_the_forward_outlives_backward[alltoall-dropless-ep2-x]"
-    _junit(tmp_path / "p.xml", {retention: "", equal: "", gone: ""})
-    _junit(tmp_path / "u.xml", {retention: '<failure message="held"/>', equal: ""})
+    guard = '<properties><property name="moe_release" value="guard"/></properties>'
+    _junit(tmp_path / "p.xml", {retention: "", equal: guard, gone: ""})
+    _junit(tmp_path / "u.xml", {retention: '<failure message="held"/>', equal: guard})
     tree = tmp_path / "tree"
     (tree / "megatron/core/transformer").mkdir(parents=True)
     (tree / "megatron/core/transformer/transformer_config.py").write_text(
@@ -134,9 +137,22 @@ def test_a_checkout_run_is_a_matrix_row_with_the_unpatched_outcomes(tmp_path, re
     assert cells[10].endswith(", 99 s; unpatched: 1/3 failed")
     words = compare_lines(record)
     assert words[1:3] == ["  patched: 3 of 3 release tests passed",
-                          "  unpatched: 1 of them failed, 1 passed, 1 not collected (the tree "
-                          "lacks what they test)"]  # fmt: skip
-    assert words[3].endswith(equal)
+                          "  unpatched: 1 of them failed, 1 passed as they should (guards, "
+                          "n/a), 0 retention test(s) passed, 1 not collected (the tree lacks "
+                          "what they test)"]  # fmt: skip
+    assert words[3].startswith("    passed unpatched (guard): ") and words[3].endswith(equal)
+    assert retention_passed_unpatched(record) == []
+    # A retention test that passes without the series shows no fix: named, and exit status 1.
+    _junit(tmp_path / "u.xml", {retention: "", equal: guard})
+    monkeypatch.setattr(cli, "record_run", partial(record_run, root=repo))
+    assert cli.main(["matrix", "--record", "checkout-4ad697b581ec", "--junit",
+                     str(tmp_path / "p.xml"), "--unpatched-junit", str(tmp_path / "u.xml"),
+                     "--source", source, "--tree", str(tree), "--seconds", "1", "--status",
+                     "0"]) == 1  # fmt: skip
+    out = capsys.readouterr().out
+    (line,) = [w for w in out.splitlines() if "RETENTION TEST PASSED UNPATCHED" in w]
+    assert line.startswith("    RETENTION TEST PASSED UNPATCHED (it shows no fix): ")
+    assert line.endswith(retention)
     with pytest.raises(UserError, match="a checkout's run is named checkout-"):
         record_run("mine", tmp_path / "p.xml", 1, 0, root=repo,
                    checkout=(source, tree, tmp_path / "u.xml"))  # fmt: skip

@@ -97,6 +97,20 @@ def pytest_configure(config):
         "needs_env(name): reads what the environment variable ``name`` points at (a source "
         "checkout CI does not have); deselected, not skipped, where it is unset",
     )
+    config.addinivalue_line(
+        "markers",
+        "guard: a release test that passes with and without the series (what the series must "
+        "not change); every other release test must fail on the commit without the series "
+        "(`run-tests --checkout` enforces it)",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _release_test_kind(request):
+    """Write a guard's kind into the JUnit XML (``moe_release`` = ``guard``), where
+    ``run-tests --checkout`` reads which release tests may pass without the series."""
+    if request.node.get_closest_marker("guard"):
+        request.node.user_properties.append(("moe_release", "guard"))
 
 
 def _tree_has(path: str, text: str) -> bool:

@@ -711,6 +711,7 @@ def normal_exit_job() -> None:
     y.sum().backward()
 
 
+@pytest.mark.guard
 def test_a_normal_exit_prints_no_deep_ep_warning(patched_tree):
     """DeepEP's ~Buffer prints its warning for a buffer built with explicitly_destroy and
     never destroyed (csrc/deep_ep.cpp:209-216; the emulation prints it the same way, to

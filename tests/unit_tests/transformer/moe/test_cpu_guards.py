@@ -133,6 +133,7 @@ def test_patched_tree_runs_without_cuda(patched, check):
     assert rc == 0, err
 
 
+@pytest.mark.guard
 @pytest.mark.parametrize("check", _applicable_checks())
 def test_unpatched_base_fails_the_same_check(base, check):
     rc, err = base[check]

@@ -936,6 +936,7 @@ def _assert_bitwise(a, b):
         assert ga is None or torch.equal(ga, gb), name
 
 
+@pytest.mark.guard
 @needs_base
 @pytest.mark.parametrize("recompute", RECOMPUTE)
 @pytest.mark.parametrize("dispatcher,backend,ep", _params(CONFIGS))
@@ -947,6 +948,7 @@ def test_bitwise_equal_to_base(dispatcher, backend, ep, recompute):
         _assert_bitwise(p, b)
 
 
+@pytest.mark.guard
 @needs_base
 @pytest.mark.parametrize("recompute", RECOMPUTE)
 @pytest.mark.parametrize("dispatcher,backend,ep", _params(CONFIGS))
@@ -984,6 +986,7 @@ def test_seeded_device_mismatch_is_caught():
         )
 
 
+@pytest.mark.guard
 @needs_base
 @pytest.mark.parametrize(
     "dispatcher,backend,ep", [("flex", "hybridep", 1), ("flex", "hybridep", 2)]
