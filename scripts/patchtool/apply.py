@@ -828,6 +828,127 @@ def run_record(
     return [head] + (words or ["unchanged"])
 
 
+RESOLVE_SUFFIX = "-resolve"  # the branch apply --resolve makes: moe-release/<commit12>-resolve
+MESSAGE_FILE = "moe-release-message"  # in the work tree's git directory: the stopped patch's
+
+
+def run_resolve(
+    checkout: Path,
+    ref: Optional[str],
+    worktree: Path,
+    mirror: Optional[Path] = None,
+    root: Optional[Path] = None,
+    series_name: Optional[str] = None,
+) -> tuple[bool, list[str]]:
+    """``apply --resolve DIR``: a work tree where a person resolves what conflicts at REF. The
+    first call adds the work tree DIR on a new branch ``moe-release/<commit12>-resolve`` at REF
+    (the checkout's own HEAD, index and work tree are not touched); each call commits the
+    patches that merge (or whose stored resolution replays) in turn, with their messages and
+    authors, and stops at the first conflict with the 3-way merge, conflict markers included,
+    written into DIR. The person resolves it, commits (``git commit -a -F`` the message file
+    named) and runs the same command again, which goes on from the commits on the branch.
+    Returns (all patches are on the branch, what was done in lines); then ``--record BRANCH``
+    stores the resolutions."""
+    root = root or REPO_ROOT
+    co = open_checkout(checkout)
+    commit = _megatron_commit(co, ref or "HEAD")
+    branch = f"{BRANCH_PREFIX}{commit[:12]}{RESOLVE_SUFFIX}"
+    worktree = worktree.absolute()
+    words: list[str] = []
+    if worktree.exists():
+        top = subprocess.run(
+            ["git", "-C", str(worktree), "rev-parse", "--show-toplevel", "--abbrev-ref", "HEAD"],
+            capture_output=True,
+            env=git_env(),
+        )
+        found = top.stdout.decode().split() if top.returncode == 0 else []
+        if found != [str(worktree.resolve()), branch]:
+            raise UserError(f"--resolve {worktree}: exists and is not the work tree of branch "
+                            f"{branch} (give a new directory)")  # fmt: skip
+        status = git(worktree, "status", "--porcelain", "--untracked-files=no").decode()
+        if status.strip():
+            first = status.splitlines()[0][3:]
+            raise UserError(f"--resolve {worktree}: uncommitted changes ({first}); commit the "
+                            "resolution first (git commit -a -F the message file)")  # fmt: skip
+    else:
+        if co.has(f"refs/heads/{branch}"):
+            raise UserError(f"{checkout}: branch {branch} exists without the work tree "
+                            f"{worktree}; delete it or give its work tree")  # fmt: skip
+        if co.bare:
+            raise UserError(f"{checkout}: a bare repository; --resolve needs a work tree")
+        git(co.path, "worktree", "add", "--quiet", "-b", branch, str(worktree), commit)
+        words.append(f"work tree {worktree} on new branch {branch} at {commit[:12]}")
+    with tempfile.TemporaryDirectory(prefix="moe-apply-") as tmp:
+        hist = history(co, mirror, Path(tmp))
+        prep = _prepare(hist, commit, mirror, root, series_name)
+        head = git(worktree, "rev-parse", "HEAD").decode().strip()
+        commits = hist.out("rev-list", "--reverse", "--first-parent", f"{commit}..{head}").split()
+        paths = set(prep.at_ref)
+        landed = files_series_states(prep.at_ref, [p for p, _, _ in prep.states])
+        ours, k = dict(prep.at_ref), 0
+        for (patch, before, after), state in zip(prep.states, landed, strict=True):
+            if state.verdict == "landed":
+                continue
+            merged, conflicts = merge_patch(ours, before, after, patch)
+            modified = [fp.path for fp in patch.files if not fp.new_file]
+            if conflicts and modified and all(ours.get(p) is None for p in modified):
+                continue  # not applicable
+            if k < len(commits):  # done on the branch already (by this command or the person)
+                ours = _by_base_path(hist, commits[k], paths, prep.moved)
+                k += 1
+                continue
+            result: Files = dict(ours)
+            result.update(merged)
+            name = resolution_path(prep.choice, commit, patch.name).name
+            if conflicts:
+                data, era = prep.stored.get(name), None
+                if data is None:
+                    era = _era_replay(prep, name, result, conflicts)
+                try:
+                    if era is not None:
+                        result, conflicts = era[1], []
+                    elif data is not None and not _replay(replayed := dict(result), conflicts,
+                                                          data, name):  # fmt: skip
+                        result, conflicts = replayed, []
+                except UserError:
+                    pass
+            changed = {p: d for p, d in result.items() if d != ours.get(p)}
+            for path, data in changed.items():
+                dest = worktree / prep.moved.get(path, path)
+                if data is None:
+                    dest.unlink(missing_ok=True)
+                else:
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    dest.write_bytes(data)
+            msg = patch.subject + "\n\n" + patch.message.strip("\n") + "\n"
+            name_, email, date = _author(patch)
+            env = git_env(dict(GIT_AUTHOR_NAME=name_, GIT_AUTHOR_EMAIL=email,
+                               GIT_AUTHOR_DATE=date))  # fmt: skip
+            if conflicts:
+                msg_path = Path(git(worktree, "rev-parse", "--git-path", MESSAGE_FILE).decode()
+                                .strip())  # fmt: skip
+                msg_path = msg_path if msg_path.is_absolute() else worktree / msg_path
+                msg_path.write_text(msg)
+                words.append(f"CONFLICT in {patch.name}:")
+                words += [f"  {c.describe()}" for c in conflicts]
+                words.append(f"resolve the conflict markers in {worktree}, then `git -C "
+                             f"{worktree} commit -a -F {msg_path}` (the patch's message and "
+                             "trailers) and run this command again")  # fmt: skip
+                return False, words
+            if changed:
+                git(
+                    worktree, "add", "--all", "--", *sorted({prep.moved.get(p, p) for p in changed})
+                )
+                git(worktree, "commit", "--quiet", "--no-verify", "-F", "-", env=env,
+                    input=msg.encode())  # fmt: skip
+                words.append(f"committed {patch.name}")
+            ours = result
+    words.append(f"every patch is on {branch}: store the resolutions with `moe_release.py "
+                 f"apply {checkout} --ref {commit[:12]} --record {branch}`; apply then replays "
+                 "them")  # fmt: skip
+    return True, words
+
+
 def run_apply(
     checkout: Path,
     ref: Optional[str] = None,

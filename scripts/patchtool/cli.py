@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .apply import choose_series, history, open_checkout, run_apply, run_record
+from .apply import choose_series, history, open_checkout, run_apply, run_record, run_resolve
 from .apply import report_lines as apply_report_lines
 from .check import check_base, find_installed_core, verify_installed
 from .checkout import build_checkout_trees, is_checkout_manifest, verify_checkout_install
@@ -334,6 +334,15 @@ def _cmd_apply(args: argparse.Namespace) -> int:
                                series_name=args.series):  # fmt: skip
             print(line)
         return 0
+    if args.resolve:
+        if args.dry_run or args.out or args.branch or args.no_label:
+            raise UserError("--resolve makes its own branch: no --dry-run, --out, --branch or "
+                            "--no-label")  # fmt: skip
+        done_all, lines = run_resolve(Path(args.checkout), args.ref, Path(args.resolve), mirror,
+                                      series_name=args.series)  # fmt: skip
+        for line in lines:
+            print(line)
+        return 0 if done_all else 1
     co, result, done = run_apply(
         Path(args.checkout), args.ref, args.dry_run,
         Path(args.out) if args.out else None, args.branch,
@@ -530,6 +539,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="store what a person did: RESOLVED is a commit of CHECKOUT on REF with one "
         "commit per patch to apply there, in order; per patch its difference from the 3-way "
         "merge is stored in <series>/apply/<commit12>/ (nothing else is written)",
+    )
+    p.add_argument(
+        "--resolve",
+        metavar="DIR",
+        help="a work tree DIR (added on branch moe-release/<commit12>-resolve) where a person "
+        "resolves the conflicts: the patches are committed in turn up to the first conflict, "
+        "whose 3-way merge (conflict markers included) is left in DIR; commit the resolution "
+        "and run the same command again; then --record the branch (exit 1 while a conflict is "
+        "left)",
     )
     p.add_argument(
         "--mirror",

@@ -384,6 +384,47 @@ def test_record_stores_what_a_person_resolved(mlm, capsys):
     assert "0 commit(s) on REF, but " + P_RELEASE in capsys.readouterr().err
 
 
+def test_resolve_leaves_each_conflict_in_a_work_tree_for_a_person(mlm, tmp_path, capsys):
+    """`apply --resolve DIR` at c1: a work tree on moe-release/<c1>-resolve stops at the release
+    patch's conflict with the 3-way merge (markers) in DIR and its message ready; once the
+    person commits the resolution, the same command commits the rest; --record then stores it
+    and apply replays it. The checkout's HEAD, index and work tree stay as they were."""
+    m, c, repo = mlm
+    before = _snapshot(m)
+    wt = tmp_path / "resolve"
+    branch = f"moe-release/{c[1][:12]}-resolve"
+    assert cli.main(["apply", str(m), "--ref", c[1], "--resolve", str(wt)]) == 1
+    out = capsys.readouterr().out
+    assert f"work tree {wt} on new branch {branch} at {c[1][:12]}" in out
+    assert f"CONFLICT in {P_RELEASE}:" in out and f"  {TD}:" in out
+    text = (wt / TD).read_text()
+    assert has_markers(text.encode()) and "        self.probs = None\n" in text
+    msg = Path(re.search(r"commit -a -F (\S+)`", out).group(1))
+    assert msg.read_text().startswith("[MoE] Release dispatcher state after combine\n\nBody.")
+    assert _git(m, "rev-list", "--count", f"{c[1]}..{branch}") == "0"  # the stash: n/a at c1
+    # Run again before resolving: refused, nothing changed.
+    assert cli.main(["apply", str(m), "--ref", c[1], "--resolve", str(wt)]) == 2
+    assert "uncommitted changes" in capsys.readouterr().err
+    resolved = DISPATCHER.replace("        return output\n", RELEASE + "        return output\n")
+    (wt / TD).write_text(resolved)
+    _git(wt, "commit", "--quiet", "-a", "-F", str(msg))
+    assert cli.main(["apply", str(m), "--ref", c[1], "--resolve", str(wt)]) == 0
+    out = capsys.readouterr().out
+    assert f"committed {P_BUFFER}" in out and f"--record {branch}" in out
+    subjects = _git(m, "log", "--format=%s", f"{c[1]}..{branch}").splitlines()
+    assert subjects == ["[MoE] Keep one buffer per process group",
+                        "[MoE] Release dispatcher state after combine"]  # fmt: skip
+    assert cli.main(["apply", str(m), "--ref", c[1], "--record", branch]) == 0
+    capsys.readouterr()
+    _, result, _ = _apply(m, c[1], repo)
+    assert _verdicts(result)[P_RELEASE] == REPLAYED
+    assert _git(m, "rev-parse", f"moe-release/{c[1][:12]}~1^{{tree}}") == _git(
+        m, "rev-parse", f"{branch}^{{tree}}")  # fmt: skip
+    after = _snapshot(m)
+    assert after[1:4] == before[1:4]  # HEAD, its ref, the index
+    assert after[5] == before[5]  # the checkout's files (the work tree DIR is elsewhere)
+
+
 def test_a_conflict_is_reported_and_nothing_changes(mlm, capsys, monkeypatch):
     """Without a stored resolution the same merge is a conflict: file, line, the patch's hunk,
     both sides and where the resolution would go; exit 1, refs, HEAD, index and work tree as
