@@ -97,11 +97,14 @@ def run_distributed(
     device: str = "cpu",
     backend: str = "gloo",
     force_emulation: bool = False,
+    placement: Optional[bool] = None,
 ) -> List[Any]:
     """Run ``target`` ("package.module:function") on ``world_size`` ranks.
 
     ``force_emulation`` installs the deep_ep emulation even where a real deep_ep is importable
-    (the emulation refuses to shadow one otherwise).
+    (the emulation refuses to shadow one otherwise). ``placement`` turns the CPU ranks'
+    placement rules (:mod:`cpu_runtime.placement`) on or off for this job (None: as
+    ``MOE_RELEASE_PLACEMENT`` says, on by default).
 
     Returns the per-rank return values (rank order). Raises DistributedTestError with the
     tracebacks of the ranks that failed, or a timeout report; no rank outlives the call.
@@ -110,10 +113,12 @@ def run_distributed(
         raise ValueError(f"device must be one of {DEVICES} and backend one of {BACKENDS}")
     if backend == "nccl" and device != "cuda":
         raise ValueError("the nccl backend needs device='cuda'")
+    if placement is None:
+        placement = placement_rules_enabled()
     args = (target, world_size, tree, kwargs, timeout, emulate_deep_ep, torch_compile)
     for attempt in range(_PORT_ATTEMPTS):
         try:
-            return _run_once(*args, device, backend, force_emulation, free_port())
+            return _run_once(*args, device, backend, force_emulation, placement, free_port())
         except DistributedTestError as exc:
             # The free port was taken by another process before rank 0's store bound it (a
             # race of free_port(), not a failure of the job): run it again on another port.
@@ -137,6 +142,7 @@ def _run_once(
     device: str,
     backend: str,
     force_emulation: bool,
+    placement: bool,
     port: int,
 ) -> List[Any]:
     """One launch of :func:`run_distributed`'s job on ``port``."""
@@ -150,7 +156,7 @@ def _run_once(
             "device": device,
             "backend": backend,
             # torch.compile traces the function mode's handlers; those jobs run without it.
-            "placement": placement_rules_enabled() and not torch_compile,
+            "placement": placement and not torch_compile,
         }
         (job / "spec.pkl").write_bytes(pickle.dumps(spec))
         procs, logs = [], []

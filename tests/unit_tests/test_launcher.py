@@ -108,3 +108,12 @@ def test_a_taken_rendezvous_port_is_retried_on_another(patched_tree, monkeypatch
         taken.close()
     assert [r["rank"] for r in results] == [0, 1]
     assert len(ports) == 2 and ports[0] != ports[1], ports
+
+
+def test_placement_argument_overrides_the_environment(patched_tree, monkeypatch):
+    """``placement=False`` runs a job's ranks without the placement rules while
+    ``MOE_RELEASE_PLACEMENT`` leaves them on (the memory report's timing runs both)."""
+    monkeypatch.delenv("MOE_RELEASE_PLACEMENT", raising=False)
+    off = run_distributed(f"{THIS}:rank_state", 2, patched_tree, {"mark": "off"}, placement=False)
+    assert [r["placement"] for r in off] == [False, False]
+    assert [r["cuda_tensor"] for r in off] == [None, None]
