@@ -18,7 +18,11 @@ Memory is measured at the allocator: on CPU by the counting allocator of
 started), on CUDA by the caching allocator's counters.
 """
 
+import cProfile
 import gc
+import pstats
+import re
+import resource
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -344,13 +348,21 @@ class DropAfterBackward:
             self.in_backward = False
 
 
-def _run_steps(cfg, model, opt, clock, mark, losses, norms, times, releases, syncs) -> None:
+def _run_steps(
+    cfg, model, opt, clock, mark, losses, norms, times, releases, syncs
+) -> Dict[str, Any]:
+    """Run the steps; per step its process CPU time (every thread) and minor page faults, and
+    with ``cfg["profile"]`` each warm step's cProfile rows (:func:`profile_rows`)."""
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     from cpu_runtime import placement
 
     last = cfg["steps"] - 1
     timer = ReleaseTimer(model)
+    profiler: Optional[cProfile.Profile] = None
+    profiles: List[Dict[str, Any]] = []
+    faults: List[int] = []
+    cpu_times: List[float] = []
     after_backward = cfg.get("drop_after_backward")
     after_forward = cfg.get("drop_after_forward")
     dropper = None
@@ -369,6 +381,11 @@ def _run_steps(cfg, model, opt, clock, mark, losses, norms, times, releases, syn
             placement.SYNCS.clear()  # the last step's host syncs (CPU runs: placement rules)
         mark(f"step{step}:start")
         _sync()
+        if cfg.get("profile") and step > 0:  # warm steps only, one profile each
+            profiler = cProfile.Profile()
+            profiler.enable()
+        minflt = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        c0 = time.process_time()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = model(tokens, pos, attention_mask=mask, labels=labels).float().mean()
@@ -384,12 +401,46 @@ def _run_steps(cfg, model, opt, clock, mark, losses, norms, times, releases, syn
         del loss
         _sync()
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - minflt)
+        if profiler is not None:
+            profiler.disable()
+            profiles.append(profile_rows(profiler))
+            profiler = None
         releases.append(timer.take())
         if step == last:
             syncs.update(placement.SYNCS)
         mark(f"step{step}:end")
         if clock and cfg.get("timeline") and step == last:
             clock.timeline_result = clock.timeline()
+    out: Dict[str, Any] = {"page_faults": faults, "step_cpu_times": cpu_times}
+    if cfg.get("profile"):
+        out["profile"] = profiles
+    return out
+
+
+def profile_rows(profiler: cProfile.Profile) -> Dict[str, Tuple[int, float, float, dict]]:
+    """Per function (``file:line(name)``, paths from the package down, no object addresses):
+    calls, own seconds, cumulative seconds, and per caller the cumulative seconds of the calls
+    it made."""
+
+    def key(path: str, line: int, name: str) -> str:
+        for marker in ("/megatron/", "/torch/", "/cpu_runtime/", "/report/"):
+            if marker in path:
+                path = path[path.index(marker) + 1 :]
+                break
+        return f"{path}:{line}({re.sub(' at 0x[0-9a-f]+', '', name)})"
+
+    rows = {}
+    for func, (_, calls, own, cum, callers) in pstats.Stats(profiler).stats.items():
+        k = key(*func)
+        prev = rows.get(k, (0, 0.0, 0.0, {}))
+        by_caller = dict(prev[3])
+        for caller, stat in callers.items():
+            c = key(*caller)
+            by_caller[c] = by_caller.get(c, 0.0) + stat[3]
+        rows[k] = (prev[0] + calls, prev[1] + own, prev[2] + cum, by_caller)
+    return rows
 
 
 def train(cfg: Dict[str, Any]) -> Dict[str, Any]:
@@ -426,7 +477,9 @@ def train(cfg: Dict[str, Any]) -> Dict[str, Any]:
         # ~200 KB; every run now frees the same garbage at the same points.
         gc.disable()
         try:
-            _run_steps(cfg, model, opt, clock, mark, losses, norms, times, releases, syncs)
+            out.update(
+                _run_steps(cfg, model, opt, clock, mark, losses, norms, times, releases, syncs)
+            )
         finally:
             gc.enable()
     finally:

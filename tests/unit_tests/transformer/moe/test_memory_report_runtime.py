@@ -222,6 +222,13 @@ def test_device_check_runs_the_report_end_to_end(tmp_path, base_tree, patched_tr
         # effect on the peak is within the runs' spread).
         assert len(b["peak_range"]) == len(p["peak_range"]) == 2
     assert all(len(overlap["timeline"][k]["bytes"]) > 10 for k in ("base", "patched"))
+    # Timing with the placement rules on and off, the runtime's bookkeeping their difference.
+    t = report["timing"]
+    assert "  rules off: the release itself" in text and "bookkeeping (on - off)" in text
+    assert t["bookkeeping"]["release_seconds_median"] == (
+        t["release_seconds_median"] - t["rules_off"]["release_seconds_median"]
+    )
+    assert "values with the placement rules off equal those with them on" in text
 
 
 def test_bootstrap_interval_brackets_the_ratio_and_is_reproducible():
@@ -264,3 +271,134 @@ def test_release_timer_times_only_the_release_calls(patched_tree):
     # A tree without the release (the unpatched base) has nothing to time.
     bare = worker.ReleaseTimer(torch.nn.Sequential(Layer(object())))
     assert bare.take() is None
+
+
+def _fake_rank(tree: str, placement, rank: int, steps: int):
+    """A rank's timing result: step times that depend on the tree and the placement rules, and
+    release times in the patched tree only (made-up figures: the structure is what is tested)."""
+    slower = ((1.5 if placement else 1.2) if tree == "patched" else 1.0) * (2 if placement else 1)
+    release = 0.01 * (3.0 if placement else 1.0) if tree == "patched" else None
+    return {
+        "rank": rank,
+        "losses": [1.0 + s for s in range(steps)],
+        "step_times": [(s + 1 + rank) * slower for s in range(steps)],
+        "step_cpu_times": [(s + 1) * slower / 2 for s in range(steps)],
+        "release_times": [release] * steps,
+    }
+
+
+def test_timing_runs_each_tree_with_the_rules_on_and_off(monkeypatch):
+    """On the CPU runtime every round runs both trees with the placement rules and without;
+    the report prints both settings, and the bookkeeping rows are on - off."""
+    calls = []
+
+    def fake_run(tree, target, cfg, runtime=cli.CPU, timeout=900, placement=None):
+        calls.append((tree, placement))
+        return [_fake_rank(tree, placement, rank, cfg["steps"]) for rank in range(2)]
+
+    monkeypatch.setattr(cli, "run", fake_run)
+    monkeypatch.setattr(cli, "log", lambda msg: None)
+    t = cli.timing("base", "patched", dict(cli.QUICK), rounds=2)
+    on = [("base", True), ("patched", True), ("base", False), ("patched", False)]
+    assert calls == on + on[::-1]
+    off, book = t["rules_off"], t["bookkeeping"]
+    assert book["ratio"] == t["ratio"] - off["ratio"] and book["ratio"] != 0
+    for key in ("release_seconds_median", "release_fraction_median"):
+        assert t[key] is not None and off[key] is not None
+        assert book[key] == t[key] - off[key] and book[key] > 0
+    assert t["rules_off_losses_equal"]
+    assert len(t["samples"]["base"]) == len(off["samples"]["patched"]) == 2 * (cli.TIMING_STEPS - 1)
+    text = "\n".join(cli.timing_lines(t))
+    for row in ("  placement rules on", "  placement rules off", "  rules off: the release itself"):
+        assert row in text
+    assert text.count("  the rules' bookkeeping (on - off)") == 2
+    assert f"{book['release_seconds_median'] * 1e6:,.0f} us" in text
+    assert "values with the placement rules off equal those with them on" in text
+    # The targets judge the release's own figures: those with the rules off.
+    report = {"base": [], "patched": [], "timing": t}
+    targets = cli.targets(report)
+    assert targets["step time ratio patched/base (placement rules off)"].startswith(
+        f"{off['ratio']:.3f}"
+    )
+    frac = 100 * off["release_fraction_median"]
+    assert targets["time inside the release calls (placement rules off)"].startswith(f"{frac:.3f}%")
+
+
+def test_timing_on_a_gpu_has_no_rules_to_take_out(monkeypatch):
+    calls = []
+
+    def fake_run(tree, target, cfg, runtime=cli.CPU, timeout=900, placement=None):
+        calls.append((tree, placement))
+        return [_fake_rank(tree, placement, rank, cfg["steps"]) for rank in range(2)]
+
+    monkeypatch.setattr(cli, "run", fake_run)
+    monkeypatch.setattr(cli, "log", lambda msg: None)
+    t = cli.timing("base", "patched", dict(cli.QUICK), 1, Runtime("cuda", "emulation", "gloo"))
+    assert calls == [("base", None), ("patched", None)]
+    assert "rules_off" not in t and "bookkeeping" not in t
+    text = "\n".join(cli.timing_lines(t))
+    assert "placement rules" not in text and "inside the release calls (patched)" in text
+    assert "step time ratio patched/base" in cli.targets({"base": [], "patched": [], "timing": t})
+
+
+@pytest.mark.slow
+def test_timing_rows_come_from_runs_with_the_rules_on_and_off(base_tree, patched_tree):
+    """A real (tiny) timing round: both settings measured the release calls, the bookkeeping
+    rows are on - off, and the rules change no value."""
+    cfg = dict(cli.QUICK, layers=1, tokens=256)
+    t = cli.timing(base_tree, patched_tree, cfg, rounds=1)
+    off = t["rules_off"]
+    assert t["release_seconds_median"] > 0 and off["release_seconds_median"] > 0
+    assert t["bookkeeping"]["release_seconds_median"] == (
+        t["release_seconds_median"] - off["release_seconds_median"]
+    )
+    assert t["bookkeeping"]["ratio"] == t["ratio"] - off["ratio"]
+    assert t["rules_off_losses_equal"]
+    text = "\n".join(cli.timing_lines(t))
+    assert "  rules off: the release itself" in text and "bookkeeping (on - off)" in text
+
+
+def _rank_profile(rows_per_step, steps=3):
+    """A rank of a profiled run: the same cProfile rows each warm step."""
+    return {
+        "profile": [rows_per_step] * (steps - 1),
+        "step_times": [0.5] * steps,
+        "step_cpu_times": [0.4] * steps,
+    }
+
+
+def test_step_profile_names_the_calls_the_patched_tree_adds():
+    """Calls are matched by file and function name (a moved function adds nothing), the time
+    inside a function counts each call once even when a same-named method calls it, and the
+    patched tree's own code is entered where the base's code calls it."""
+    from report import step_profile
+
+    shared = {
+        "megatron/m.py:10(forward)": (4, 0.010, 0.050, {}),
+        "torch/distributed/c10d.py:5(all_to_all_single)": (2, 0.020, 0.020, {}),
+    }
+    base = dict(shared, **{"megatron/m.py:30(helper)": (4, 0.001, 0.001, {})})
+    patched = dict(
+        shared,
+        **{
+            "megatron/m.py:33(helper)": (4, 0.001, 0.001, {}),  # moved by the patch: same calls
+            "megatron/m.py:50(release)": (2, 0.001, 0.003, {"megatron/m.py:10(forward)": 0.003}),
+            # The manager's release, called by the dispatcher's release: not counted twice.
+            "megatron/m.py:90(release)": (2, 0.001, 0.002, {"megatron/m.py:50(release)": 0.002}),
+            "megatron/m.py:95(drop)": (6, 0.001, 0.001, {"megatron/m.py:90(release)": 0.001}),
+        },
+    )
+    runs = {"base": [[_rank_profile(base)] * 2], "patched": [[_rank_profile(patched)] * 2]}
+    result = step_profile.summarize(runs)
+    added = {a["function"]: a for a in result["calls_added"]}
+    assert set(added) == {"megatron/m.py(release)", "megatron/m.py(drop)"}
+    assert added["megatron/m.py(release)"]["calls"] == 4
+    assert added["megatron/m.py(release)"]["seconds"] == pytest.approx(0.003)
+    assert result["patched_only_entries"] == ["megatron/m.py(release)"]
+    assert result["patched_only_seconds"] == pytest.approx(0.003)
+    assert result["base"]["rank_steps"] == result["patched"]["rank_steps"] == 4
+    kinds = result["patched"]["kinds"]
+    assert kinds["collectives (incl. waiting for the other rank)"][1] == pytest.approx(0.020)
+    assert kinds["megatron-core Python"][1] == pytest.approx(0.014)
+    text = "\n".join(step_profile.lines(result))
+    assert "megatron/m.py(release)" in text and "time inside the code only the patched" in text
