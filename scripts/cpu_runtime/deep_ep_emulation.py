@@ -4,10 +4,11 @@
 
 ``megatron/core/transformer/moe/fused_a2a.py`` binds DeepEP's kernels at import time
 (``from deep_ep import Buffer``, ``HybridEPBuffer``, and on dev ``ElasticBuffer``;
-``from deep_ep.utils import EventHandle, EventOverlap``). :func:`install` registers this module
-as ``deep_ep`` (and ``deep_ep.utils``) in ``sys.modules`` so that those imports find the
-emulations, one module per kernel family, each with its table of outputs cited to the source it
-was read from:
+``from deep_ep.utils import EventHandle, EventOverlap``; main in 2026-05 also ``import
+hybrid_ep_cpp``, a hybrid-ep build's extension). :func:`install` registers this module as
+``deep_ep`` (with ``deep_ep.utils`` and ``hybrid_ep_cpp``) in ``sys.modules`` so that those
+imports find the emulations, one module per kernel family, each with its table of outputs
+cited to the source it was read from:
 
 * :mod:`cpu_runtime.hybridep_emulation` - ``HybridEPBuffer`` (the ``hybridep`` backend);
 * :mod:`cpu_runtime.deepep_emulation` - the normal-mode ``Buffer`` (``deepep``);
@@ -89,8 +90,14 @@ def install(force: bool = False) -> types.ModuleType:
     utils.EventOverlap = EventOverlap
     utils.IS_CPU_EMULATION = True
     module.utils = utils
+    # A hybrid-ep build also installs its extension as the top-level ``hybrid_ep_cpp``, which
+    # megatron-core imported directly in 2026-05 (#4719) for ExtendedMemoryAllocator.
+    native = types.ModuleType("hybrid_ep_cpp")
+    native.ExtendedMemoryAllocator = hybridep_emulation.ExtendedMemoryAllocator
+    native.IS_CPU_EMULATION = True
     sys.modules["deep_ep"] = module
     sys.modules["deep_ep.utils"] = utils
+    sys.modules["hybrid_ep_cpp"] = native
     return module
 
 
@@ -103,3 +110,5 @@ def uninstall() -> None:
     if _is_installed():
         sys.modules.pop("deep_ep", None)
         sys.modules.pop("deep_ep.utils", None)
+        if getattr(sys.modules.get("hybrid_ep_cpp"), "IS_CPU_EMULATION", False):
+            sys.modules.pop("hybrid_ep_cpp", None)

@@ -167,6 +167,7 @@ packed memory handles are pageable host tensors (``intranode.cu:245,292``,
 """
 
 import os
+import socket
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import List, Optional, Tuple
@@ -313,6 +314,31 @@ class _BufferConfig:
     """The field of ``hybrid_ep_cpp.BufferConfig`` (``config.cuh:67``) megatron's callers read."""
 
     max_num_of_tokens_per_rank: int
+
+
+# The bytes of a host name deep_ep compares (``MemHandle::src_hostname``, allocator.cuh).
+HOSTNAME_BYTES = 256
+
+
+class ExtendedMemoryAllocator:
+    """``hybrid_ep_cpp.ExtendedMemoryAllocator`` (``csrc/hybrid_ep/allocator/allocator.cu`` at
+    94a9f8f) as Python code calls it: megatron-core's HybridEP InfiniBand guardrail (main
+    2026-05, #4719, removed by #4846) sizes the NVLink domain with
+    ``detect_accessible_ranks(group)`` before a buffer exists. The real one all-gathers each
+    rank's test memory handle over the group (a collective: every rank must call it,
+    ``allocator.cu:178-211``) and counts the ranks whose handle it can open (fabric) or that
+    come from its own host (``is_accessible``, ``allocator.cu:162-176``), itself included. The
+    emulation all-gathers the host names on the buffer device and counts the same way."""
+
+    def detect_accessible_ranks(self, process_group) -> int:
+        """The ranks of ``process_group`` in this rank's NVLink domain (collective)."""
+        name = socket.gethostname().encode()[:HOSTNAME_BYTES].ljust(HOSTNAME_BYTES, b"\0")
+        mine = torch.tensor(list(name), dtype=torch.uint8, device=buffer_device()).view(1, -1)
+        rows = all_gather_rows(mine, process_group).cpu()
+        me = group_rank(process_group)
+        return sum(
+            1 for i in range(rows.shape[0]) if i == me or torch.equal(rows[i], mine[0].cpu())
+        )
 
 
 class HybridEPBuffer:

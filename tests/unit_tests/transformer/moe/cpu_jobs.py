@@ -92,6 +92,12 @@ def hybrid_ep_kernel_checks(emu, verdicts: Verdicts) -> None:
     """HybridEPBuffer.dispatch_with_permute / combine_with_unpermute against the reference."""
     world, rank = dist.get_world_size(), dist.get_rank()
     group = dist.group.WORLD
+    # hybrid_ep_cpp, which megatron-core imported directly in 2026-05 (#4719): every CPU rank
+    # is on this host, so every rank of the group is in the NVLink domain (allocator.cu:178).
+    import hybrid_ep_cpp
+
+    detected = hybrid_ep_cpp.ExtendedMemoryAllocator().detect_accessible_ranks(group)
+    _check(verdicts, "hybridep-kernel-detect-accessible-ranks", detected, world)
     local, tokens, hidden = 2, 7, 4
     maps = _routing(world, tokens, local, seed=11)
     for dtype in (torch.float32, torch.bfloat16):

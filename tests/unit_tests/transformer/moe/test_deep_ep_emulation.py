@@ -57,7 +57,7 @@ def test_checks_catch_a_broken_emulation(dist_job, patched_tree, how):
 @pytest.fixture
 def emulation(monkeypatch):
     """The emulation module with deep_ep entries of sys.modules restored afterwards."""
-    for name in ("deep_ep", "deep_ep.utils"):
+    for name in ("deep_ep", "deep_ep.utils", "hybrid_ep_cpp"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     return load_deep_ep_emulation()
 
@@ -74,9 +74,15 @@ def test_install_registers_deep_ep(emulation, monkeypatch):
         assert deep_ep is module is sys.modules[EMULATION_MODULE]
         assert HybridEPBuffer is emulation.HybridEPBuffer and Buffer is emulation.Buffer
         EventOverlap(EventHandle()).current_stream_wait()
+        import hybrid_ep_cpp  # a hybrid-ep build's extension, imported by main 2026-05 (#4719)
+
+        assert (
+            hybrid_ep_cpp.ExtendedMemoryAllocator
+            is emulation.hybridep_emulation.ExtendedMemoryAllocator
+        )
     finally:
         emulation.uninstall()
-    assert "deep_ep" not in sys.modules
+    assert "deep_ep" not in sys.modules and "hybrid_ep_cpp" not in sys.modules
 
 
 def test_install_refuses_to_shadow_real_deep_ep(emulation, monkeypatch):
