@@ -128,9 +128,13 @@ def base(base_tree):
 
 
 @pytest.mark.parametrize("check", _applicable_checks())
-def test_patched_tree_runs_without_cuda(patched, check):
+def test_patched_tree_runs_without_cuda(patched, check, request):
     rc, err = patched[check]
     assert rc == 0, err
+    if check == "nothing_to_fix":  # passes without the series too: no retention to show
+        request.node.user_properties.append(
+            ("moe_release", "n/a: the base imports without Triton and Transformer Engine")
+        )
 
 
 @pytest.mark.guard
