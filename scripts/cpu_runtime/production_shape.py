@@ -1,0 +1,913 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""The production-shape mode: megatron-core's real code at production sizes, without the memory.
+
+Every tensor made under :class:`ProductionShapeMode` is a ``FakeTensor`` (shape, dtype, strides
+and a storage size, no data). Beside the data, the mode keeps a *value* (a real host tensor) for
+the tensors whose values decide sizes: the routing integers and masks. A value is known when the
+op that made it had known inputs (or none: ``arange``, ``zeros``, ``torch.tensor``), and is then
+computed for real from them, so ``.tolist()``, ``nonzero``, ``bincount``, bool indexing and the
+split sizes of an all-to-all get real answers. Values come into the program through the routing:
+the router's (and a dispatcher's) top-k over the experts returns the indices a
+:class:`RoutingPolicy` chose (balanced, seeded random, or recorded from a real run).
+
+What is never guessed: a value made from data (a float tensor's contents), an uninitialized
+``empty``, a random op, or a tensor partly written with unknown values has no value, and any
+attempt to read it as a size (``item``, ``tolist``, ``numpy``, a data-dependent shape) raises
+:class:`Refused` naming the op that reads it and the op that made it. An op the fake kernels
+cannot size is refused the same way.
+
+Ranks: every rank of the job runs the mode (``cpu_runtime.launcher`` spawns them over gloo).
+Collectives on tensors with values move the values for real (so a rank learns what its peers
+route, from their own routing); collectives on data move nothing and return at once, their
+outputs already shaped by the caller.
+
+Bytes: :class:`LiveBytes` keeps a weak reference to each storage an op returns and sums the
+``nbytes`` of those alive, after every op (``trace``) and on demand; a fake storage has the
+``nbytes`` of the real one. :class:`RealRun` is the same routing and counter on real tensors:
+the same program at small sizes gives the same trace both ways (the mode's own test).
+"""
+
+import contextlib
+import os
+import weakref
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_modes
+from torch.utils._pytree import tree_flatten, tree_map
+
+aten = torch.ops.aten
+
+
+class Refused(RuntimeError):
+    """The mode cannot follow an op without guessing a value or a size."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing
+
+
+class RoutingPolicy:
+    """Which experts each token of a rank's layer call goes to: ``[num_tokens, topk]`` int64."""
+
+    def indices(self, rank: int, layer: int, num_tokens: int, num_experts: int, topk: int):
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+class BalancedRouting(RoutingPolicy):
+    """Token ``t`` of rank ``r`` goes to experts ``(t*k + j + r*k) mod E``, ``j < k``: every
+    expert receives the same number of tokens when ``N*k`` is a multiple of ``E``."""
+
+    def indices(self, rank: int, layer: int, num_tokens: int, num_experts: int, topk: int):
+        t = torch.arange(num_tokens, dtype=torch.int64).unsqueeze(1) * topk
+        return (t + torch.arange(topk, dtype=torch.int64) + rank * topk) % num_experts
+
+    def describe(self) -> str:
+        return "balanced"
+
+
+class RandomRouting(RoutingPolicy):
+    """The top-k of uniform scores drawn from a generator seeded by (seed, rank, layer)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def indices(self, rank: int, layer: int, num_tokens: int, num_experts: int, topk: int):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + rank * 10_007 + layer)
+        scores = torch.rand(num_tokens, num_experts, generator=g)
+        return scores.topk(topk, dim=1).indices
+
+    def describe(self) -> str:
+        return f"random(seed={self.seed})"
+
+
+class RecordedRouting(RoutingPolicy):
+    """Indices recorded from a real run (:class:`RealRun`, ``record=True``), by (rank, layer)."""
+
+    def __init__(self, recorded: Dict[Tuple[int, int], torch.Tensor]) -> None:
+        self.recorded = recorded
+
+    def indices(self, rank: int, layer: int, num_tokens: int, num_experts: int, topk: int):
+        idx = self.recorded.get((rank, layer))
+        if idx is None or tuple(idx.shape) != (num_tokens, topk):
+            raise Refused(
+                f"no recorded routing of shape [{num_tokens}, {topk}] for rank {rank}, layer "
+                f"{layer} (recorded: {sorted(self.recorded)})"
+            )
+        return idx.clone()
+
+    def describe(self) -> str:
+        return f"recorded({len(self.recorded)} layer calls)"
+
+
+def routing_policy(spec: Dict[str, Any]) -> RoutingPolicy:
+    """A policy from plain data: ``{"kind": "balanced"}``, ``{"kind": "random", "seed": 3}``,
+    ``{"kind": "recorded", "indices": {(rank, layer): tensor}}``."""
+    kind = spec.get("kind")
+    if kind == "balanced":
+        return BalancedRouting()
+    if kind == "random":
+        return RandomRouting(int(spec["seed"]))
+    if kind == "recorded":
+        return RecordedRouting(dict(spec["indices"]))
+    raise ValueError(f"unknown routing policy {spec!r}")
+
+
+class Routing:
+    """Where the policy enters the program: ``aten.topk`` over the experts (last dim
+    ``num_experts``, ``k == topk``) returns the policy's indices for the layer whose router ran
+    last (:meth:`attach` hooks the routers), and values gathered at them. That is the router's
+    top-k and the top-k by which the DeepEP and NCCL EP managers turn the routing map back into
+    indices; the order of a token's experts is the policy's, not by score."""
+
+    def __init__(
+        self, policy: Optional[RoutingPolicy], num_experts: int, topk: int, rank: int
+    ) -> None:
+        self.policy = policy
+        self.num_experts = num_experts
+        self.topk = topk
+        self.rank = rank
+        self.layer: Optional[int] = None
+        self.recorded: Dict[Tuple[int, int], torch.Tensor] = {}
+
+    def attach(self, routers: Sequence[torch.nn.Module]) -> None:
+        """Note each router's layer before its forward (recompute included)."""
+
+        def hook(module, args):
+            self.layer = int(getattr(module, "layer_number", 0) or 0)
+
+        for router in routers:
+            router.register_forward_pre_hook(hook)
+
+    def applies(self, func, args, kwargs) -> bool:
+        if func is not aten.topk.default or self.layer is None:
+            return False
+        x, k = args[0], args[1]
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+        return k == self.topk and x.dim() == 2 and dim in (-1, 1) and x.shape[1] == self.num_experts
+
+    def indices(self, num_tokens: int) -> torch.Tensor:
+        idx = self.policy.indices(self.rank, self.layer, num_tokens, self.num_experts, self.topk)
+        if tuple(idx.shape) != (num_tokens, self.topk) or idx.dtype != torch.int64:
+            raise Refused(
+                f"routing policy {self.policy.describe()} returned {idx.shape} {idx.dtype}"
+            )
+        return idx.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Bytes
+
+
+class LiveBytes:
+    """Live bytes of the storages ops returned: weak references to each storage, the sum of the
+    live ones' ``nbytes`` (a storage resized to 0 counts 0). ``trace`` holds ``(op, live
+    bytes)`` after each op while ``recording``."""
+
+    def __init__(self) -> None:
+        self._refs: Dict[int, weakref.ref] = {}
+        self.trace: List[Tuple[str, int]] = []
+        self.recording = False
+        self.peak = 0
+        # With ``sites`` a list, each trace entry's innermost megatron-core or emulation line.
+        self.sites: Optional[List[str]] = None
+
+    def track(self, t: torch.Tensor) -> None:
+        try:
+            s = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        key = id(s)
+        ref = self._refs.get(key)
+        if ref is not None and ref() is s:
+            return
+
+        def gone(r, key=key, refs=self._refs):
+            if refs.get(key) is r:
+                del refs[key]
+
+        self._refs[key] = weakref.ref(s, gone)
+
+    def live(self) -> int:
+        total = 0
+        for ref in list(self._refs.values()):
+            s = ref()
+            if s is not None:
+                total += s.nbytes()
+        return total
+
+    def storages(self) -> List[Any]:
+        return [s for s in (r() for r in list(self._refs.values())) if s is not None]
+
+    def note(self, func, args, kwargs, out) -> None:
+        outs = _tensors(out)
+        for t in _tensors((args, kwargs)) + outs:
+            self.track(t)
+        if self.recording and outs:  # an op returning no tensor allocates nothing
+            live = self.live()
+            self.peak = max(self.peak, live)
+            self.trace.append((str(func), live))
+            if self.sites is not None:
+                self.sites.append(_site())
+
+
+def _site() -> str:
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if ("megatron/core" in name or "cpu_runtime" in name) and "production_shape" not in name:
+            return f"{name.rsplit('/', 2)[-1]}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+def bytes_of(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the distinct storages of ``tensors``."""
+    seen: Dict[int, int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[id(s)] = s.nbytes()
+    return sum(seen.values())
+
+
+def _tensors(tree) -> List[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def compare_traces(real: List[Tuple[str, int]], fake: List[Tuple[str, int]]) -> Optional[str]:
+    """None if the two ``(op, live bytes)`` sequences agree, else where they first differ."""
+    for i, (r, f) in enumerate(zip(real, fake)):
+        if r != f:
+            lo = max(0, i - 3)
+            return (
+                f"op {i}: real {r} vs production-shape {f} (before: {real[lo:i]}; "
+                f"production-shape before: {fake[lo:i]})"
+            )
+    if len(real) != len(fake):
+        return f"real ran {len(real)} ops, production-shape {len(fake)}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The real twin
+
+
+class RealRun(TorchDispatchMode):
+    """Real tensors with the policy's routing and the same counter: the reference run. With
+    ``record`` and no policy, the router's own top-k runs and its indices are recorded by
+    (rank, layer) (:class:`RecordedRouting`)."""
+
+    def __init__(self, routing: Routing, counter: LiveBytes, record: bool = False) -> None:
+        super().__init__()
+        self.routing = routing
+        self.counter = counter
+        self.record = record
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.routing.applies(func, args, kwargs):
+            if self.record:
+                out = func(*args, **kwargs)
+                key = (self.routing.rank, self.routing.layer)
+                self.routing.recorded.setdefault(key, out[1].detach().clone())
+            else:
+                idx = self.routing.indices(args[0].shape[0])
+                out = (args[0].gather(1, idx), idx)
+        elif func.namespace == "c10d" and func._schema.name.split("::")[-1] in _C10D:
+            out = _on_copies(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+        self.counter.note(func, args, kwargs, out)
+        return out
+
+
+def _on_copies(func, args, kwargs):
+    """A collective of the real run on copies of its tensors, waited for, the results copied
+    back: gloo's threads drop their references to a collective's tensors some time after it
+    completes, which would move when a storage dies from one run to the next."""
+    out_at, in_at = _C10D[func._schema.name.split("::")[-1]]
+    copies: Dict[int, torch.Tensor] = {}
+
+    def copy(a):
+        if isinstance(a, torch.Tensor):
+            copies[id(a)] = c = a.clone()
+            return c
+        return a
+
+    result = func(*tree_map(copy, args), **tree_map(copy, kwargs))
+    work = result if len(func._schema.returns) == 1 else result[1]
+    torch._C._distributed_c10d.Work.unbox(work).wait()
+    for t in _tensors(args[out_at]):
+        t.copy_(copies[id(t)])
+    done = _completed_work()
+    return done if len(func._schema.returns) == 1 else (args[out_at], done)
+
+
+# ---------------------------------------------------------------------------------------------
+# The production-shape mode
+
+# Ops whose tensor inputs give only metadata (shape, dtype, device): the output's value is known
+# without the inputs' values.
+_METADATA_ONLY = {
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.full_like.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+}
+# Ops whose outputs have no value: uninitialized memory or random draws.
+_NO_VALUE = {
+    aten.empty.memory_format,
+    aten.empty_like.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+    aten.empty_strided.default,
+    aten.normal_.default,
+    aten.uniform_.default,
+    aten.bernoulli_.float,
+    aten.bernoulli.default,
+    aten.randn.default,
+    aten.rand.default,
+    aten.randint.low,
+    aten.randperm.default,
+    aten.randn_like.default,
+    aten.rand_like.default,
+    aten.native_dropout.default,
+}
+# Factories filling their output with one number: the value is kept as that number.
+_CONSTANT_FILLS = {
+    aten.zeros_like.default: lambda a, k: 0,
+    aten.ones_like.default: lambda a, k: 1,
+    aten.full_like.default: lambda a, k: a[1],
+    aten.new_zeros.default: lambda a, k: 0,
+    aten.new_ones.default: lambda a, k: 1,
+    aten.new_full.default: lambda a, k: a[2],
+    aten.zeros.default: lambda a, k: 0,
+    aten.ones.default: lambda a, k: 1,
+    aten.full.default: lambda a, k: a[1],
+}
+# In-place ops that overwrite every element of their destination (no read of it).
+_FULL_WRITES = {aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default}
+# Floating outputs of factories above this many elements keep no value.
+SMALL_FLOAT = 1 << 16
+
+
+class _Values:
+    """Real values by fake storage, byte for byte: a host ``uint8`` copy of the storage, viewed
+    by each fake tensor's dtype, size, stride and offset (views, dtype views and in-place writes
+    share it), and a mask of the bytes written with known values (None: all of them). A read
+    of a tensor any of whose bytes is not known has no value."""
+
+    def __init__(self) -> None:
+        self._entries: Dict[int, list] = {}  # id(storage) -> [weakref, base, mask or None]
+        self.origin: Dict[int, str] = {}
+
+    def _entry(self, t: torch.Tensor):
+        s = t.untyped_storage()
+        entry = self._entries.get(id(s))
+        if entry is None or entry[0]() is not s:
+            return None
+        return entry
+
+    @staticmethod
+    def _elements(t: torch.Tensor, nbytes: int) -> Optional[torch.Tensor]:
+        """Indices (in ``t.dtype`` units) of the storage elements ``t`` covers."""
+        size = t.element_size()
+        if nbytes % size:
+            return None
+        return torch.arange(nbytes // size).as_strided(t.shape, t.stride(), t.storage_offset())
+
+    def constant(self, t: torch.Tensor, fill) -> None:
+        """``t`` (a new storage) holds ``fill`` everywhere: kept as one number until written."""
+        s = t.untyped_storage()
+        key = id(s)
+
+        def gone(r, key=key, table=self._entries):
+            e = table.get(key)
+            if e is not None and e[0] is r:
+                del table[key]
+
+        self._entries[key] = [weakref.ref(s, gone), None, None, (fill, t.dtype)]
+        self.origin.pop(key, None)
+
+    def is_constant(self, t: torch.Tensor) -> bool:
+        entry = self._entry(t)
+        return entry is not None and entry[1] is None
+
+    def _materialize(self, entry, nbytes: int) -> None:
+        fill, dtype = entry[3]
+        size = torch.empty((), dtype=dtype).element_size()
+        entry[1] = torch.full((nbytes // size,), fill, dtype=dtype).view(torch.uint8)
+        entry[2] = None
+
+    def get(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        entry = self._entry(t)
+        if entry is None:
+            return None
+        if entry[1] is None:
+            fill, dtype = entry[3]
+            return torch.full((), fill, dtype=dtype).expand(t.shape) if dtype == t.dtype else None
+        base, mask = entry[1], entry[2]
+        size = t.element_size()
+        if base.numel() % size:
+            return None
+        if mask is not None:
+            covered = self._elements(t, base.numel()).flatten()
+            if not bool(mask.view(-1, size)[covered].all()):
+                return None
+        return base.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+    def has(self, t: torch.Tensor) -> bool:
+        return self.get(t) is not None
+
+    def base_for(self, t: torch.Tensor) -> torch.Tensor:
+        """A writable view of ``t``'s bytes (created unknown if the storage has none); call
+        :meth:`written` once the write is done."""
+        s = t.untyped_storage()
+        entry = self._entry(t)
+        if entry is None:
+            nbytes = s.nbytes()
+            key = id(s)
+
+            def gone(r, key=key, table=self._entries):
+                e = table.get(key)
+                if e is not None and e[0] is r:
+                    del table[key]
+
+            entry = [weakref.ref(s, gone), torch.zeros(nbytes, dtype=torch.uint8),
+                     torch.zeros(nbytes, dtype=torch.bool), None]  # fmt: skip
+            self._entries[key] = entry
+            self.origin.pop(key, None)
+        if entry[1] is None:
+            self._materialize(entry, s.nbytes())
+        base = entry[1]
+        if base.numel() % t.element_size():
+            raise Refused(f"a {t.dtype} view of a storage of {base.numel()} bytes")
+        return base.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+    def written(self, t: torch.Tensor, known: bool = True, why: str = "") -> None:
+        """``t``'s bytes now hold known values (or unknown ones, ``why``)."""
+        entry = self._entry(t)
+        if entry is None:
+            if not known:
+                self.origin[id(t.untyped_storage())] = why
+            return
+        if entry[1] is None:
+            if known:
+                return
+            self._materialize(entry, t.untyped_storage().nbytes())
+        base, mask = entry[1], entry[2]
+        if _covers(t):
+            if known:
+                entry[2] = None
+            else:
+                self.forget(t, why)
+            return
+        if mask is None:
+            if known:
+                return
+            mask = entry[2] = torch.ones(base.numel(), dtype=torch.bool)
+        covered = self._elements(t, base.numel()).flatten()
+        mask.view(-1, t.element_size())[covered] = known
+        if known and bool(mask.all()):
+            entry[2] = None
+        if not known:
+            self.origin[id(t.untyped_storage())] = why
+
+    def attach(self, t: torch.Tensor, value: torch.Tensor) -> None:
+        if tuple(value.shape) != tuple(t.shape):
+            raise Refused(f"value of shape {tuple(value.shape)} for a tensor of {tuple(t.shape)}")
+        self.base_for(t).copy_(value)
+        self.written(t)
+
+    def forget(self, t: torch.Tensor, why: str) -> None:
+        key = id(t.untyped_storage())
+        self._entries.pop(key, None)
+        self.origin[key] = why
+
+    def why_unknown(self, t: torch.Tensor) -> str:
+        return self.origin.get(id(t.untyped_storage()), "data (no value kept)")
+
+
+def _why(reason: str) -> str:
+    """A chain of ops (``a <- b <- ... <- first unknown``) cut to its ends."""
+    links = reason.split(" <- ")
+    if len(links) > 6 and not os.environ.get("MOE_RELEASE_PRODUCTION_SHAPE_CHAINS"):
+        links = links[:3] + [f"... {len(links) - 5} ops ..."] + links[-2:]
+    return " <- ".join(links)
+
+
+def _is_fake(t) -> bool:
+    return isinstance(t, FakeTensor)
+
+
+def _writes(func) -> List[int]:
+    """Positions of the arguments ``func`` writes (schema alias annotations)."""
+    return [
+        i
+        for i, a in enumerate(func._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    ]
+
+
+def _wants_value(t: torch.Tensor) -> bool:
+    return not (t.dtype.is_floating_point or t.dtype.is_complex) or t.numel() <= SMALL_FLOAT
+
+
+class ProductionShapeMode(TorchDispatchMode):
+    """Fake tensors for data, real values for the routing; refuses what it cannot follow.
+
+    ``mis_size`` (tests only) seeds a wrong size: ``(op name, occurrence)`` gives that call's
+    first output one extra row, to show the equality with the real run catches it."""
+
+    def __init__(
+        self,
+        routing: Routing,
+        counter: LiveBytes,
+        mis_size: Optional[Tuple[str, int]] = None,
+    ) -> None:
+        super().__init__()
+        self.routing = routing
+        self.counter = counter
+        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+        self.values = _Values()
+        self.mis_size = mis_size
+        self._calls: Dict[str, int] = {}
+        self._stack = contextlib.ExitStack()
+
+    # -- entering: the host-read functions and the collectives -----------------------------
+    def __enter__(self):
+        self._stack.__enter__()
+        self._stack.enter_context(_HostReads(self))
+        self._stack.enter_context(_fake_tolist(self))
+        self._stack.enter_context(_fake_data_ptr())
+        self._stack.enter_context(_emulation_host_staging())
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._stack.__exit__(*exc)
+
+    def value(self, t: torch.Tensor, reader: str) -> torch.Tensor:
+        """``t``'s value, or :class:`Refused` naming ``reader`` and why it has none."""
+        if not _is_fake(t):
+            return t
+        v = self.values.get(t)
+        if v is None:
+            why = _why(self.values.why_unknown(t))
+            raise Refused(
+                f"production-shape mode: {reader} reads the values of a {t.dtype} tensor of shape "
+                f"{tuple(t.shape)} whose values are not known (made by {why})"
+            )
+        return v
+
+    def fake_of(self, real: torch.Tensor) -> torch.Tensor:
+        with self.fake:
+            out = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype)
+        if _wants_value(real):
+            self.values.attach(out, real)
+        return out
+
+    # -- ops -------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # Real tensors reaching an op (``torch.tensor(...)``'s lift_fresh, constants) become fake
+        # tensors with their values.
+        args, kwargs = tree_map(
+            lambda a: self.fake_of(a) if isinstance(a, torch.Tensor) and not _is_fake(a) else a,
+            (args, kwargs),
+        )
+        name = str(func)
+        if self.routing.applies(func, args, kwargs):
+            with self.fake:
+                out = func(*args, **kwargs)
+            self.values.attach(out[1], self.routing.indices(args[0].shape[0]))
+            self.values.forget(out[0], "top-k scores (data)")
+        elif func.namespace == "c10d":
+            out = _c10d(self, func, name, args, kwargs)
+        elif func is aten._local_scalar_dense.default:
+            out = self.value(args[0], name).item()
+        else:
+            out = self._op(func, name, args, kwargs)
+        out = self._seeded_error(name, out)
+        self.counter.note(func, args, kwargs, out)
+        return out
+
+    def _op(self, func, name, args, kwargs):
+        inputs = _tensors((args, kwargs))
+        written = [args[i] for i in _writes(func) if i < len(args)] + [
+            v for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k == "out"
+        ]
+        try:
+            with self.fake:
+                out = func(*args, **kwargs)
+        except (DynamicOutputShapeException, DataDependentOutputException):
+            return self._data_dependent(func, name, args, kwargs)
+        except UnsupportedOperatorException as exc:
+            raise Refused(f"production-shape mode: the fake kernels cannot size {name}") from exc
+        outs = [t for t in _tensors(out) if _is_fake(t)]
+        if func in _NO_VALUE:
+            for t in _new_storages(outs, inputs):
+                self.values.forget(t, f"{name} (no value)")
+            return out
+        full_write = func in _FULL_WRITES
+        if func in _METADATA_ONLY:
+            readers = []
+        elif full_write:
+            readers = [t for t in inputs if not any(t is w for w in written)]
+        else:
+            readers = inputs
+        unknown = next((t for t in readers if not self.values.has(t)), None)
+        if unknown is not None:
+            why = f"{name} <- {self.values.why_unknown(unknown)}"
+            for t in written:
+                self.values.written(t, known=False, why=why)
+            for t in _new_storages(outs, inputs):  # a view keeps its storage's values
+                self.values.forget(t, why)
+            return out
+        fill = _CONSTANT_FILLS.get(func)
+        if fill is not None and len(outs) == 1 and not written:
+            self.values.constant(outs[0], fill(args, kwargs))
+            return out
+        # A large floating output computed from constants only (zeros_like of the hidden states,
+        # converted) keeps no value; one computed from the routing always does.
+        from_constants = all(self.values.is_constant(t) for t in readers)
+        keep = _wants_value if from_constants else (lambda t: True)
+        if not written and not any(keep(t) for t in outs):
+            return out
+        real = self._real(func, args, kwargs, written)
+        if written:
+            for t in written:  # written in place, in the value storages
+                self.values.written(t)
+            return out
+        real_outs = _tensors(real)
+        if len(real_outs) != len(outs):
+            raise Refused(f"production-shape mode: {name} returned a different structure")
+        for f, r in zip(outs, real_outs):
+            if tuple(f.shape) != tuple(r.shape):
+                raise Refused(
+                    f"production-shape mode: {name} sizes {tuple(f.shape)} fake and "
+                    f"{tuple(r.shape)} real"
+                )
+            if self.values.has(f):
+                continue  # a view of a storage with values: the real op made the same view
+            if keep(f):
+                self.values.attach(f, r)
+        return out
+
+    def _real(self, func, args, kwargs, written):
+        """``func`` on the values (metadata-only inputs: on stand-ins without memory)."""
+
+        def real(a):
+            if not isinstance(a, torch.Tensor):
+                return a
+            if any(a is w for w in written):
+                return self.values.base_for(a)
+            if func in _METADATA_ONLY:
+                return torch.empty((), dtype=a.dtype).expand(a.shape)
+            return self.value(a, str(func))
+
+        return func(*tree_map(real, args), **tree_map(real, kwargs))
+
+    def _data_dependent(self, func, name, args, kwargs):
+        """An op whose output size depends on values: computed from the values where all are
+        known; bool indices of a tensor without values become integer indices."""
+        inputs = _tensors((args, kwargs))
+        if all(self.values.has(t) for t in inputs):
+            real = func(*tree_map(lambda a: self.value(a, name) if isinstance(a, torch.Tensor)
+                                  else a, args),
+                        **tree_map(lambda a: self.value(a, name) if isinstance(a, torch.Tensor)
+                                   else a, kwargs))  # fmt: skip
+            return tree_map(lambda r: self.fake_of(r) if isinstance(r, torch.Tensor) else r, real)
+        if func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+                    aten._index_put_impl_.default):  # fmt: skip
+            indices = [self._integer_index(i, name) for i in args[1]]
+            expanded = []
+            for i in indices:
+                expanded.extend(i if isinstance(i, tuple) else [i])
+            new_args = (args[0], expanded, *args[2:])
+            return self._op(func, name, new_args, kwargs)
+        if func is aten.masked_select.default:
+            x, mask = args
+            shape = torch.broadcast_shapes(x.shape, mask.shape)
+            count = int(self.value(mask, name).expand(shape).sum())
+            with self.fake:
+                out = torch.empty((count,), dtype=x.dtype, device=x.device)
+            self.values.forget(out, f"{name} of data")
+            return out
+        why = _why(next(self.values.why_unknown(t) for t in inputs if not self.values.has(t)))
+        raise Refused(
+            f"production-shape mode: {name} has a size that depends on values the mode does not "
+            f"know (made by {why})"
+        )
+
+    def _integer_index(self, index, name):
+        if index is None or index.dtype not in (torch.bool, torch.uint8):
+            return index
+        rows = torch.nonzero(self.value(index, name))
+        return tuple(self.fake_of(c) for c in rows.unbind(1))
+
+    def _seeded_error(self, name, out):
+        """The seeded wrong size: the output of the chosen call gets a storage one row larger
+        (the tensor itself keeps its shape, so the program runs on)."""
+        if self.mis_size is None or name != self.mis_size[0]:
+            return out
+        n = self._calls[name] = self._calls.get(name, 0) + 1
+        if n != self.mis_size[1] or not isinstance(out, torch.Tensor) or not out.dim():
+            return out
+        with self.fake:
+            bigger = torch.empty((out.shape[0] + 1, *out.shape[1:]), dtype=out.dtype)
+            return bigger[: out.shape[0]]
+
+
+def _new_storages(outs: List[torch.Tensor], inputs: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The outputs whose storage is none of the inputs' (not views, not written in place)."""
+    seen = {id(t.untyped_storage()) for t in inputs}
+    return [t for t in outs if id(t.untyped_storage()) not in seen]
+
+
+def _covers(t: torch.Tensor) -> bool:
+    """Whether writing every element of ``t`` writes every byte of its storage."""
+    try:
+        nbytes = t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return t.is_contiguous() and t.storage_offset() == 0 and t.numel() * t.element_size() == nbytes
+
+
+@contextlib.contextmanager
+def _fake_tolist(mode: "ProductionShapeMode") -> Iterator[None]:
+    """``FakeTensor.tolist`` (a Python method, iterating ``item()``) reads the value at once,
+    with no op dispatched, as a real tensor's ``tolist`` does."""
+    original = FakeTensor.tolist
+
+    def tolist(self):
+        with _no_dispatch_modes():
+            return mode.value(self, "Tensor.tolist").tolist()
+
+    FakeTensor.tolist = tolist
+    try:
+        yield
+    finally:
+        FakeTensor.tolist = original
+
+
+@contextlib.contextmanager
+def _fake_data_ptr() -> Iterator[None]:
+    """A fake storage's ``data_ptr()`` is 0 for all; code keying state by it (the NCCL EP
+    emulation's handles) then mixes storages up. Under the mode a fake (meta) storage answers
+    the id of its Python object, which torch keeps for the storage's life: unique among live
+    storages, as an address is."""
+    original = torch.UntypedStorage.data_ptr
+
+    def data_ptr(self):
+        return id(self) if self.device.type == "meta" else original(self)
+
+    torch.UntypedStorage.data_ptr = data_ptr
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.data_ptr = original
+
+
+class _ArrayHolder:
+    """The base of a numpy array of a fake tensor's value: holds the tensor (as a real array's
+    base holds the tensor's memory)."""
+
+    def __init__(self, value, tensor: torch.Tensor) -> None:
+        self.value = value
+        self.tensor = tensor
+        self.__array_interface__ = value.__array_interface__
+
+
+class _HostReads(TorchFunctionMode):
+    """``Tensor.tolist`` and ``Tensor.numpy`` of a fake tensor read its value (or refuse)."""
+
+    def __init__(self, mode: ProductionShapeMode) -> None:
+        super().__init__()
+        self.mode = mode
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "tolist" and args and _is_fake(args[0]):
+            with _no_dispatch_modes():
+                return self.mode.value(args[0], "Tensor.tolist").tolist()
+        if name == "numpy" and args and _is_fake(args[0]):
+            # A real ``numpy()`` shares the tensor's memory and keeps its storage alive; the
+            # array returned here keeps the fake tensor alive the same way.
+            import numpy
+
+            held = args[0].detach()  # as torch's numpy() does (an op the counter sees)
+            with _no_dispatch_modes():
+                value = self.mode.value(held, "Tensor.numpy").clone().numpy()
+            return numpy.asarray(_ArrayHolder(value, held))
+        return func(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives (c10d ops, as the process group dispatches them)
+
+# op: (index of the output argument, index of the input argument; None: in place)
+_C10D = {
+    "_allgather_base_": (0, 1),
+    "allgather_": (0, 1),
+    "allgather_into_tensor_coalesced_": (0, 1),
+    "alltoall_base_": (0, 1),
+    "alltoall_": (0, 1),
+    "reduce_scatter_": (0, 1),
+    "_reduce_scatter_base_": (0, 1),
+    "reduce_scatter_tensor_coalesced_": (0, 1),
+    "allreduce_": (0, None),
+    "broadcast_": (0, None),
+}
+
+
+def _completed_work():
+    future = torch.futures.Future()
+    future.set_result(None)
+    return torch._C._distributed_c10d._create_work_from_future(future).boxed()
+
+
+def _c10d(mode: "ProductionShapeMode", func, name: str, args, kwargs):
+    """A collective on fake tensors: on their values for real (every rank's values meet), or,
+    where they hold data, no data moved (a completed work; outputs keep no value)."""
+    op = func._schema.name.split("::")[-1]
+    if op == "barrier":
+        real = tree_map(lambda a: torch.empty(0) if _is_fake(a) else a, (args, kwargs))
+        return func(*real[0], **real[1])
+    if op not in _C10D:
+        raise Refused(f"production-shape mode: no rule for the collective {name}")
+    out_at, in_at = _C10D[op]
+    outs = _tensors(args[out_at])
+    ins = outs if in_at is None else _tensors(args[in_at])
+    known = [mode.values.has(t) or not _is_fake(t) for t in ins]
+    if all(known) and ins:
+        fakes: Dict[int, torch.Tensor] = {}
+
+        def real(a):
+            if not _is_fake(a):
+                return a
+            is_out = any(a is t for t in outs)
+            r = mode.values.base_for(a) if is_out else mode.value(a, name)
+            fakes[id(r)] = a
+            return r
+
+        result = func(*tree_map(real, args), **tree_map(real, kwargs))
+        for t in outs:
+            mode.values.written(t)
+        return tree_map(lambda r: fakes.get(id(r), r) if isinstance(r, torch.Tensor) else r,
+                        result)  # fmt: skip
+    if any(known):
+        raise Refused(f"production-shape mode: {name} mixes tensors with and without values")
+    for t in outs:
+        mode.values.written(t, known=False, why=f"{name} of data")
+    work = _completed_work()
+    returns = func._schema.returns
+    if len(returns) == 1:
+        return work
+    return (args[out_at], work)
+
+
+@contextlib.contextmanager
+def _emulation_host_staging() -> Iterator[None]:
+    """The kernel emulations stage a collective through host memory when a tensor's *storage*
+    is not on the host; a fake tensor's storage is on ``meta`` while the tensor is a host one.
+    Under the mode they ask the tensor's device, which is what the storage's is in a real run."""
+    import sys
+
+    common = sys.modules.get("cpu_runtime.emulation_common")
+    if common is None:
+        yield
+        return
+    original = common.staged_through_host
+
+    def staged_through_host(t, group):
+        if _is_fake(t):
+            return t.device.type != "cpu" and dist.get_backend(group) == "gloo"
+        return original(t, group)
+
+    common.staged_through_host = staged_through_host
+    try:
+        yield
+    finally:
+        common.staged_through_host = original

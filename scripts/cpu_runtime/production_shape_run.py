@@ -1,0 +1,225 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""Measure a stack of megatron-core's real MoE layers, for real or in the production-shape mode.
+
+:func:`measure` runs on every rank of a job (:func:`run` launches it over gloo, without the
+placement rules: they key storages by data pointer, which fake storages lack, so the real twin
+runs without them too): it builds the layers, runs one forward and backward on the routing the
+policy chose, and returns the live-bytes trace per op, the peak and what is still alive once
+the step's inputs, outputs and gradients are dropped (``retained``), with the communication
+buffers' share of it (``buffers``) and the rest (``state``: what the dispatchers and their
+autograd graphs keep).
+"""
+
+import gc
+import os
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+
+from cpu_runtime.production_shape import (
+    LiveBytes,
+    ProductionShapeMode,
+    RealRun,
+    Routing,
+    bytes_of,
+    routing_policy,
+)
+
+MODES = ("real", "fake")
+
+
+def layer_config(
+    dispatcher: str,
+    backend: Optional[str],
+    ep: int,
+    hidden: int,
+    experts: int,
+    topk: int,
+    ffn: int,
+    num_layers: int,
+    recompute: bool = False,
+    dtype: str = "float32",
+    tp: int = 1,
+):
+    """The TransformerConfig of the measured layers: local (non-TE) modules, fp32 router, no
+    auxiliary loss; the flex dispatcher with ``backend``, or ``alltoall``/``allgather``."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    params_dtype = getattr(torch, dtype)
+    kwargs = dict(
+        num_layers=num_layers,
+        hidden_size=hidden,
+        num_attention_heads=4,
+        ffn_hidden_size=ffn,
+        moe_ffn_hidden_size=ffn,
+        num_moe_experts=experts,
+        moe_router_topk=topk,
+        moe_token_dispatcher_type=dispatcher,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+        expert_model_parallel_size=ep,
+        moe_layer_recompute=recompute,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    if tp > 1:
+        kwargs.update(tensor_model_parallel_size=tp, sequence_parallel=True)
+    if dispatcher == "flex":
+        kwargs["moe_flex_dispatcher_backend"] = backend
+        if backend == "ncclep":
+            import dataclasses
+
+            fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+            if "moe_ncclep_static_shape" in fields:
+                kwargs["moe_expert_rank_capacity_factor"] = 2.0
+    return TransformerConfig(**kwargs)
+
+
+def _local_moe_submodules(experts: int):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if not hasattr(gpt_layer_specs, "get_gpt_layer_local_submodules"):
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False)
+        return spec.submodules.mlp.submodules
+    from megatron.core.transformer.spec_utils import get_submodules
+
+    return get_submodules(
+        gpt_layer_specs.get_gpt_layer_local_submodules(
+            num_experts=experts, moe_grouped_gemm=False
+        ).mlp
+    )
+
+
+def _comm_buffer_tensors() -> List[torch.Tensor]:
+    """The tensors of fused_a2a's communication buffers (the emulations' allocations)."""
+    import sys
+
+    from cpu_runtime.compat import held_comm_buffers
+
+    fused_a2a = sys.modules.get("megatron.core.transformer.moe.fused_a2a")
+    if fused_a2a is None:
+        return []
+    out = []
+    for buffer in held_comm_buffers(fused_a2a):
+        for value in vars(buffer).values():
+            if isinstance(value, torch.Tensor):
+                out.append(value)
+    return out
+
+
+def measure(
+    mode: str,
+    dispatcher: str,
+    backend: Optional[str],
+    ep: int,
+    tokens: Union[int, Sequence[int]],
+    hidden: int = 16,
+    experts: int = 4,
+    topk: int = 2,
+    ffn: int = 32,
+    layers: int = 2,
+    recompute: bool = False,
+    dtype: str = "float32",
+    routing: Optional[Dict[str, Any]] = None,
+    trace: bool = True,
+    record: bool = False,
+    mis_size: Optional[tuple] = None,
+    sites: bool = False,
+) -> Dict[str, Any]:
+    """One forward and backward of ``layers`` MoE layers on this rank (``tokens``: per rank, or
+    one count for all), ``mode`` "real" or "fake" (the production-shape mode). Bytes are
+    measured from just before the input is made."""
+    import time
+
+    import torch.distributed as dist
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from cpu_runtime import placement
+    from cpu_runtime.moe_harness import init_megatron, on_device
+
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}")
+    if placement.active():
+        raise RuntimeError("measure runs without the placement rules (run() launches it so)")
+    start = time.monotonic()
+    init_megatron(ep=ep, seed=1234)
+    torch.manual_seed(4321)
+    rank = dist.get_rank()
+    n = tokens if isinstance(tokens, int) else tokens[rank]
+    config = layer_config(dispatcher, backend, ep, hidden, experts, topk, ffn, layers, recompute,
+                          dtype)  # fmt: skip
+    policy = None if record else routing_policy(routing or {"kind": "balanced"})
+    route = Routing(policy, experts, topk, rank)
+    counter = LiveBytes()
+    counter.sites = [] if sites else None
+    if mode == "real":
+        ctx = RealRun(route, counter, record=record)
+    else:
+        ctx = ProductionShapeMode(route, counter, mis_size=tuple(mis_size) if mis_size else None)
+    result: Dict[str, Any] = {"rank": rank, "tokens": n}
+    with ctx:
+        stack = []
+        for i in range(layers):
+            layer = on_device(MoELayer(config, _local_moe_submodules(experts)))
+            layer.set_layer_number(i + 1)
+            layer.train()
+            stack.append(layer)
+        route.attach([layer.router for layer in stack])
+        params = counter.live()
+        counter.recording = True
+        baseline = counter.live()
+        x = torch.randn(n, 1, hidden, dtype=config.params_dtype).requires_grad_()
+        h = x
+        for layer in stack:
+            h, _ = layer(h)
+        loss = (h.float() ** 2).sum()
+        loss.backward()
+        counter.recording = False
+        del x, h, loss
+        for layer in stack:
+            layer.zero_grad(set_to_none=True)
+        gc.collect()
+        live = counter.live()
+        buffers = bytes_of(_comm_buffer_tensors())
+    result.update(
+        params=params,
+        retained=live - baseline,
+        buffers=buffers,
+        state=live - baseline - buffers,
+        peak=max(counter.peak - baseline, 0),
+        trace=counter.trace if trace else None,
+        sites=counter.sites,
+        seconds=time.monotonic() - start,
+    )
+    if record:
+        result["recorded"] = dict(route.recorded)
+    return result
+
+
+def run(tree: str, world_size: int, timeout: float = 600.0, **kwargs) -> List[Dict[str, Any]]:
+    """:func:`measure` on ``world_size`` gloo ranks of ``tree`` (parent side), placement rules
+    off; returns each rank's result."""
+    from cpu_runtime.launcher import run_distributed
+
+    saved = os.environ.get("MOE_RELEASE_PLACEMENT")
+    os.environ["MOE_RELEASE_PLACEMENT"] = "0"
+    try:
+        return run_distributed(
+            "cpu_runtime.production_shape_run:measure", world_size, tree, kwargs, timeout
+        )
+    finally:
+        if saved is None:
+            del os.environ["MOE_RELEASE_PLACEMENT"]
+        else:
+            os.environ["MOE_RELEASE_PLACEMENT"] = saved

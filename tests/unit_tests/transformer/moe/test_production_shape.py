@@ -1,0 +1,200 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""The production-shape mode (``cpu_runtime.production_shape``) against the real run.
+
+At small shapes the same MoE layers and routing run twice on gloo ranks: on real tensors and in
+the production-shape mode (fake tensors for data, real values for the routing). Both count live
+bytes the same way (weak references to every storage an op returns), and must agree op by op
+and in what is retained after backward, for every dispatcher and backend, on the base and the
+patched tree. A wrong size seeded into the mode must make them disagree. The mode's rules
+(refusing an unknown size, byte-level knowledge of partly written buffers) are checked in this
+process on plain torch.
+"""
+
+import functools
+import os
+
+import pytest
+import torch
+
+from cpu_runtime.production_shape import (
+    BalancedRouting,
+    LiveBytes,
+    ProductionShapeMode,
+    RandomRouting,
+    Refused,
+    Routing,
+    compare_traces,
+)
+
+PATCHED_TREE = os.environ.get("MOE_RELEASE_TREE")
+BASE_TREE = os.environ.get("MOE_RELEASE_BASE_TREE")
+
+# (dispatcher, backend, extra measure() arguments)
+CASES = [
+    pytest.param("alltoall", None, (), id="alltoall"),
+    pytest.param("allgather", None, (), id="allgather"),
+    pytest.param("flex", "hybridep", (), id="flex-hybridep"),
+    pytest.param("flex", "deepep", (), id="flex-deepep"),
+    pytest.param(
+        "flex",
+        "ncclep",
+        (("dtype", "bfloat16"),),
+        id="flex-ncclep",
+        marks=pytest.mark.flex_backend("ncclep"),
+    ),
+]
+SMALL = dict(ep=2, tokens=16, layers=2)
+
+
+@functools.cache
+def _run(tree, dispatcher, backend, extra, mode, routing="balanced", mis_size=None):
+    from cpu_runtime.production_shape_run import run
+
+    spec = {"kind": "balanced"} if routing == "balanced" else {"kind": "random", "seed": 3}
+    return run(tree, 2, mode=mode, dispatcher=dispatcher, backend=backend, routing=spec,
+               mis_size=mis_size, **SMALL, **dict(extra))  # fmt: skip
+
+
+def _tree(request, kind):
+    return request.getfixturevalue("patched_tree" if kind == "patched" else "base_tree")
+
+
+@pytest.mark.parametrize("kind", ["base", "patched"])
+@pytest.mark.parametrize("dispatcher,backend,extra", CASES)
+def test_same_live_bytes_per_op_as_the_real_run(request, kind, dispatcher, backend, extra):
+    tree = _tree(request, kind)
+    real = _run(tree, dispatcher, backend, extra, "real")
+    fake = _run(tree, dispatcher, backend, extra, "fake")
+    for r, f in zip(real, fake):
+        assert len(r["trace"]) > 100 and r["peak"] > 0
+        assert compare_traces(r["trace"], f["trace"]) is None, (
+            f"rank {r['rank']}: " + compare_traces(r["trace"], f["trace"])
+        )
+        for key in ("retained", "buffers", "state", "peak", "params"):
+            assert f[key] == r[key], (key, r[key], f[key])
+
+
+def test_random_routing_agrees_too(patched_tree):
+    real = _run(patched_tree, "flex", "hybridep", (), "real", routing="random")
+    fake = _run(patched_tree, "flex", "hybridep", (), "fake", routing="random")
+    balanced = _run(patched_tree, "flex", "hybridep", (), "real")
+    for r, f in zip(real, fake):
+        assert compare_traces(r["trace"], f["trace"]) is None
+        assert r["retained"] == f["retained"]
+    # The routing reached the program: another routing, other sizes.
+    assert any(r["trace"] != b["trace"] for r, b in zip(real, balanced))
+
+
+def test_recorded_routing_from_a_real_run(patched_tree):
+    """The router's own top-k on real data, recorded, then replayed both ways."""
+    from cpu_runtime.production_shape_run import run
+
+    recorded = run(patched_tree, 2, mode="real", dispatcher="alltoall", backend=None,
+                   record=True, trace=False, **SMALL)  # fmt: skip
+    indices = {}
+    for r in recorded:
+        indices.update(r["recorded"])
+    assert sorted(indices) == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    spec = {"kind": "recorded", "indices": indices}
+    runs = {
+        mode: run(
+            patched_tree, 2, mode=mode, dispatcher="alltoall", backend=None, routing=spec, **SMALL
+        )  # fmt: skip
+        for mode in ("real", "fake")
+    }
+    for r, f in zip(runs["real"], runs["fake"]):
+        assert compare_traces(r["trace"], f["trace"]) is None
+        assert r["retained"] == f["retained"]
+
+
+def test_a_mis_sized_op_fails_the_equality(patched_tree):
+    real = _run(patched_tree, "alltoall", None, (), "real")
+    seeded = _run(patched_tree, "alltoall", None, (), "fake",
+                  mis_size=("aten.index_select.default", 1))  # fmt: skip
+    for r, f in zip(real, seeded):
+        diff = compare_traces(r["trace"], f["trace"])
+        assert diff is not None and "aten.index_select.default" in diff, diff
+
+
+# ---------------------------------------------------------------------------------------------
+# The mode's rules, on plain torch in this process
+
+
+def _mode(routing=None):
+    route = Routing(routing, num_experts=4, topk=2, rank=0)
+    return ProductionShapeMode(route, LiveBytes()), route
+
+
+def test_an_uninitialized_value_never_becomes_a_size():
+    mode, _ = _mode()
+    with mode:
+        counts = torch.empty(3, dtype=torch.long)
+        with pytest.raises(Refused, match=r"Tensor\.tolist.*aten\.empty"):
+            counts.tolist()
+        with pytest.raises(Refused, match=r"aten\.repeat_interleave"):
+            torch.repeat_interleave(torch.arange(3), counts)
+
+
+def test_a_value_made_from_data_is_refused_where_it_becomes_a_size():
+    mode, _ = _mode()
+    with mode:
+        x = torch.randn(8, 4)
+        mask = x > 0  # bool, but from data
+        with pytest.raises(Refused, match=r"aten\.nonzero.*aten\.gt"):
+            torch.nonzero(mask)
+        with pytest.raises(Refused, match=r"_local_scalar_dense"):
+            int(mask.sum())
+
+
+def test_values_follow_the_routing_and_index_the_data():
+    """The router's top-k returns the policy's indices; masks and counts built from them are
+    real, and bool indexing of data gets the real row count (fake rows)."""
+    mode, route = _mode(BalancedRouting())
+    route.layer = 1
+    with mode:
+        logits = torch.randn(6, 4)
+        _, idx = torch.topk(logits, 2, dim=1)
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
+        assert routing_map.sum(0).tolist() == [3, 3, 3, 3]
+        assert idx.tolist() == BalancedRouting().indices(0, 1, 6, 4, 2).tolist()
+        rows = logits[routing_map[:, 0]]
+        assert rows.shape == (3, 4) and type(rows).__name__ == "FakeTensor"
+        assert int(torch.nonzero(routing_map[:, 1]).shape[0]) == 3
+    assert RandomRouting(3).indices(0, 1, 6, 4, 2).shape == (6, 2)
+
+
+def test_a_partly_written_buffer_is_known_only_where_written():
+    """Bytes are known where written with known values, through dtype views (the NCCL EP
+    emulation's handle_mem); the rest of an ``empty`` buffer stays unknown."""
+    mode, _ = _mode()
+    with mode:
+        buf = torch.empty(64, dtype=torch.uint8)
+        part = buf[16:48].view(torch.int64)
+        part.copy_(torch.tensor([1, 2, 3, 4]))
+        assert buf[16:48].view(torch.int64).tolist() == [1, 2, 3, 4]
+        with pytest.raises(Refused):
+            buf[:16].view(torch.int64).tolist()
+        buf[:16].view(torch.int64).copy_(torch.randn(2).long())  # from data
+        with pytest.raises(Refused):
+            buf[:16].view(torch.int64).tolist()
+        assert buf[16:48].view(torch.int64).tolist() == [1, 2, 3, 4]
+
+
+def test_fake_storages_answer_distinct_data_pointers_and_numpy_holds_the_tensor():
+    import gc
+    import weakref
+
+    mode, _ = _mode()
+    with mode:
+        a, b = torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long)
+        assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+        c = torch.arange(4).clone()
+        ref = weakref.ref(c.untyped_storage())
+        array = c.numpy()
+        del c
+        gc.collect()
+        assert ref() is not None and array.tolist() == [0, 1, 2, 3]
+        del array
+        gc.collect()
+        assert ref() is None
