@@ -13,8 +13,8 @@ prints, per warm step and rank:
 * the step's own time by kind of code (collectives, which include waiting for the other rank;
   torch's C++ ops; Python of torch, megatron-core and the runtime), median over the steps of
   every run, with its interquartile range;
-* each tree's wall and CPU time per step (both without the profiler: the report's timing runs
-  measure those).
+* each tree's wall and process CPU time per step (under the profiler; the report's timing runs
+  measure both without it) and its minor page faults (memory the allocator had to map again).
 
 cProfile inflates small Python calls several times over: the times of added calls are upper
 bounds; the call counts are exact.
@@ -108,11 +108,13 @@ def summarize(runs: Dict[str, List[List[Dict[str, Any]]]]) -> Dict[str, Any]:
                 kinds[kind].append(seconds)
         wall = [t for res in tree_runs for rank in res for t in rank["step_times"][1:]]
         cpu = [t for res in tree_runs for rank in res for t in rank["step_cpu_times"][1:]]
+        faults = [f for res in tree_runs for rank in res for f in rank["page_faults"][1:]]
         out[name] = {
             "rank_steps": n,
             "kinds": {kind: _quartiles(v) for kind, v in kinds.items()},
             "wall_median": statistics.median(wall),
             "cpu_median": statistics.median(cpu),
+            "page_faults": _quartiles(faults),
         }
     added = []
     for fn in set(calls["base"]) | set(calls["patched"]):
@@ -172,4 +174,9 @@ def lines(result: Dict[str, Any], top: Optional[int] = 25) -> List[str]:
             f"  {label + ' time of a warm step, median (ms)':56}"
             f"{b[key] * 1e3:>22.1f}{p[key] * 1e3:>22.1f}"
         )
+    cells = ""
+    for x in (b, p):
+        q1, q2, q3 = x["page_faults"]
+        cells += f"{q2:>9,.0f} [{q1:,.0f}-{q3:,.0f}]".rjust(22)
+    out.append(f"  {'minor page faults of a warm step, median [IQR]':56}{cells}")
     return out

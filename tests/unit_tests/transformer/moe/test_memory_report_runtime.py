@@ -364,6 +364,7 @@ def _rank_profile(rows_per_step, steps=3):
         "profile": [rows_per_step] * (steps - 1),
         "step_times": [0.5] * steps,
         "step_cpu_times": [0.4] * steps,
+        "page_faults": [100] * steps,
     }
 
 
@@ -402,3 +403,4 @@ def test_step_profile_names_the_calls_the_patched_tree_adds():
     assert kinds["megatron-core Python"][1] == pytest.approx(0.014)
     text = "\n".join(step_profile.lines(result))
     assert "megatron/m.py(release)" in text and "time inside the code only the patched" in text
+    assert result["patched"]["page_faults"] == (100, 100, 100) and "minor page faults" in text
