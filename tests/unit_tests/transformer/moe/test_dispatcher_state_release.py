@@ -187,11 +187,13 @@ def _local_moe_submodules():
         # megatron-core 0.16 has only the ModuleSpec form (and no spec_utils.get_submodules).
         spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
         return spec.submodules.mlp.submodules
-    from megatron.core.transformer.spec_utils import get_submodules
+    from megatron.core.transformer import spec_utils
 
-    return get_submodules(
-        gpt_layer_specs.get_gpt_layer_local_submodules(num_experts=4, moe_grouped_gemm=False).mlp
-    )
+    mlp = gpt_layer_specs.get_gpt_layer_local_submodules(num_experts=4, moe_grouped_gemm=False).mlp
+    if not hasattr(spec_utils, "get_submodules"):
+        # Before #3426 (main 2026-03-24) the MoE layer's submodules are its ModuleSpec's.
+        return mlp.submodules
+    return spec_utils.get_submodules(mlp)
 
 
 def _run_stack(layers, x, recompute):
