@@ -223,3 +223,158 @@ def run(tree: str, world_size: int, timeout: float = 600.0, **kwargs) -> List[Di
             del os.environ["MOE_RELEASE_PLACEMENT"]
         else:
             os.environ["MOE_RELEASE_PLACEMENT"] = saved
+
+
+# ---------------------------------------------------------------------------------------------
+# A decoder stack between calls (the report's production-shape section)
+
+
+def stack_config(
+    ep: int,
+    hidden: int,
+    experts: int,
+    topk: int,
+    ffn: int,
+    layers: int,
+    backend: str = "hybridep",
+    dtype: str = "bfloat16",
+):
+    """The config of :func:`measure_calls`' decoder: the flex dispatcher with ``backend``, RMSNorm,
+    the MoE layer recomputed (``recompute_granularity='selective', recompute_modules=['moe']``),
+    local (non-TE) modules."""
+    from cpu_runtime.moe_harness import moe_config
+
+    return moe_config(backend, ep, num_experts=experts, topk=topk, hidden=hidden, ffn=ffn,
+                      recompute=True, dtype=getattr(torch, dtype), num_layers=layers,
+                      normalization="RMSNorm")  # fmt: skip
+
+
+def _mlp_only_layer_spec(experts: int):
+    """megatron-core's local GPT layer spec with its attention left out (IdentityOp, the
+    TransformerLayerSubmodules default that MLP-only layers use): RMSNorm, then the MoE layer."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+                                    normalization="RMSNorm")  # fmt: skip
+    spec.submodules = dataclasses.replace(
+        spec.submodules,
+        input_layernorm=IdentityOp,
+        self_attention=IdentityOp,
+        self_attn_bda=IdentityFuncOp,
+    )
+    return spec
+
+
+def _state_attributes(dispatcher) -> List[tuple]:
+    """``(owner, name)`` of every attribute of ``dispatcher`` and its comm manager that holds
+    a tensor (alone or in a tuple or list, as a dispatch handle): what the layer's next
+    dispatch replaces. The communication buffers are module globals of fused_a2a, not
+    attributes."""
+    found = []
+    for obj in (dispatcher, getattr(dispatcher, "_comm_manager", None)):
+        if obj is None:
+            continue
+        for name, value in vars(obj).items():
+            items = value if isinstance(value, (tuple, list)) else (value,)
+            if any(isinstance(v, torch.Tensor) for v in items):
+                found.append((obj, name))
+    return found
+
+
+def measure_calls(
+    tokens: Union[int, Sequence[int]],
+    ep: int = 2,
+    hidden: int = 16,
+    experts: int = 4,
+    topk: int = 2,
+    ffn: int = 32,
+    layers: int = 2,
+    calls: int = 2,
+    backend: str = "hybridep",
+    dtype: str = "bfloat16",
+    mode: str = "fake",
+    routing: Optional[Dict[str, Any]] = None,
+) -> Dict[str, Any]:
+    """``calls`` forward-backward calls of a decoder of ``layers`` TransformerLayers (megatron's
+    TransformerBlock, its layers' attention left out, the MoE layer recomputed) on this rank.
+
+    Returns, in live bytes (:class:`LiveBytes`): ``params`` (after construction), per call the
+    peak of the call (``peaks``, the held bytes included) and what is held after it once the
+    input, output and gradients are dropped (``held``), ``buffers`` (the communication
+    buffers), and ``per_layer``: what dropping each layer's dispatcher state frees after the
+    last call, layer by layer, and per attribute in the order dropped
+    (``per_attribute``; :func:`_state_attributes`)."""
+    import time
+
+    import torch.distributed as dist
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from cpu_runtime import placement
+    from cpu_runtime.moe_harness import init_megatron
+
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}")
+    if placement.active():
+        raise RuntimeError("measure_calls runs without the placement rules (run_calls does)")
+    start = time.monotonic()
+    init_megatron(ep=ep, seed=1234)
+    torch.manual_seed(4321)
+    rank = dist.get_rank()
+    n = tokens if isinstance(tokens, int) else tokens[rank]
+    config = stack_config(ep, hidden, experts, topk, ffn, layers, backend, dtype)
+    route = Routing(routing_policy(routing or {"kind": "balanced"}), experts, topk, rank)
+    counter = LiveBytes()
+    ctx = RealRun(route, counter) if mode == "real" else ProductionShapeMode(route, counter)
+    result: Dict[str, Any] = {"rank": rank, "tokens": n, "held": [], "peaks": [], "seconds": []}
+    with ctx:
+        block = TransformerBlock(config, _mlp_only_layer_spec(experts))
+        block.train()
+        moe = [layer.mlp for layer in block.layers]
+        route.attach([m.router for m in moe])
+        result["params"] = counter.live()
+        for _ in range(calls):
+            t0 = time.monotonic()
+            counter.peak = 0
+            counter.recording = True
+            x = torch.randn(n, 1, hidden, dtype=config.params_dtype).requires_grad_()
+            out = block(x, attention_mask=None)
+            loss = (out.float() ** 2).sum()
+            loss.backward()
+            counter.recording = False
+            del x, out, loss
+            block.zero_grad(set_to_none=True)
+            gc.collect()
+            result["held"].append(counter.live())
+            result["peaks"].append(counter.peak)
+            result["seconds"].append(time.monotonic() - t0)
+        result["buffers"] = bytes_of(_comm_buffer_tensors())
+        per_layer, per_attr = [], []
+        before = counter.live()
+        for m in moe:
+            freed = {}
+            for owner, name in _state_attributes(m.token_dispatcher):
+                setattr(owner, name, None)
+                gc.collect()
+                after = counter.live()
+                freed[f"{type(owner).__name__}.{name}"] = before - after
+                before = after
+            per_layer.append(sum(freed.values()))
+            per_attr.append(freed)
+        result["per_layer"] = per_layer
+        result["per_attribute"] = per_attr
+        result["after_drop"] = before
+        result["buffers_after_drop"] = bytes_of(_comm_buffer_tensors())
+    result["total_seconds"] = time.monotonic() - start
+    return result
+
+
+def run_calls(tree: str, world_size: int, timeout: float = 1800.0, **kwargs) -> List[Dict]:
+    """:func:`measure_calls` on ``world_size`` gloo ranks of ``tree`` (parent side), placement
+    rules off; returns each rank's result."""
+    from cpu_runtime.launcher import run_distributed
+
+    return run_distributed("cpu_runtime.production_shape_run:measure_calls", world_size, tree,
+                           kwargs, timeout, placement=False)  # fmt: skip

@@ -1,0 +1,67 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""The report at seed 000's shape (``run-report --production-shape``,
+``report.production_section``): its table at a tiny shape (both ranks, base and patched, the
+planner beside, the seed attributed, what the mode does not see), the patched tree holding less
+between calls, and the measured attributes against the planner's terms; the seed's shape
+itself behind ``slow``."""
+
+import functools
+
+import pytest
+
+from report import production_section as ps
+
+
+@functools.cache
+def _collect(base_tree: str, patched_tree: str, seed_shape: bool):
+    shape, tokens = (
+        (ps.SEED_SHAPE, ps.SEED_TOKENS) if seed_shape else (ps.TINY_SHAPE, ps.TINY_TOKENS)
+    )
+    return ps.collect({"base": base_tree, "patched": patched_tree}, shape, tokens)
+
+
+def _check_relations(data):
+    layers = data["shape"]["layers"]
+    for row in data["ranks"]:
+        base, patched = row["base"], row["patched"]
+        assert base["tokens"] == patched["tokens"] == row["tokens"]
+        assert len(base["held"]) == len(base["peaks"]) == 2
+        assert patched["held"][-1] < base["held"][-1]
+        assert patched["params"] == base["params"] and patched["buffers"] == base["buffers"]
+        assert len(base["per_layer"]) == len(patched["per_layer"]) == layers
+        assert all(p < b for p, b in zip(patched["per_layer"], base["per_layer"]))
+        assert patched["peaks"][-1] <= base["peaks"][-1]
+        # Dropping every layer's state leaves both trees holding the same.
+        assert base["after_drop"] == patched["after_drop"]
+
+
+def test_tiny_report_table(base_tree, patched_tree):
+    data = _collect(base_tree, patched_tree, False)
+    text = ps.render(data, ps.forty_layer_point(data))
+    for rank, n in enumerate(ps.TINY_TOKENS):
+        assert f"rank {rank} ({n:,} tokens)" in text
+    for label in ("memory held between calls", "planner: dispatcher state",
+                  "per layer, freed by dispatch", "warm peak", "term by term",
+                  ps.SEED["source"], "40-MoE-layer point", ps.NOT_SEEN):  # fmt: skip
+        assert label in text
+    _check_relations(data)
+
+
+def test_measured_attributes_match_the_planner_terms(base_tree, patched_tree):
+    """Every attribute the base dispatcher keeps is priced by the planner to the byte, except
+    the ones the planner names no term for (each printed as "not priced")."""
+    data = _collect(base_tree, patched_tree, False)
+    for row in data["ranks"]:
+        for attr, measured, priced, names in ps.term_table(row):
+            if names:
+                assert measured == priced, (row["rank"], attr, measured, priced)
+
+
+@pytest.mark.slow
+def test_seed_shape_report(base_tree, patched_tree):
+    """Seed 000's shape: 8 MoE layers, hidden 2048, 256 experts, top-8, 89,600 and 105,153
+    tokens per rank (minutes per job on 2 cores)."""
+    data = _collect(base_tree, patched_tree, True)
+    print(ps.render(data, ps.forty_layer_point(data)))
+    _check_relations(data)
