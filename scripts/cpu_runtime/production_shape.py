@@ -185,8 +185,12 @@ class LiveBytes:
         self.peak = 0
         # With ``sites`` a list, each trace entry's innermost megatron-core or emulation line.
         self.sites: Optional[List[str]] = None
+        # The op that returned each tracked storage first (``made_by``), and with ``made_at`` a
+        # dict, its innermost megatron-core or emulation line (for the retained bytes' origins).
+        self.made_by: Dict[int, str] = {}
+        self.made_at: Optional[Dict[int, str]] = None
 
-    def track(self, t: torch.Tensor) -> None:
+    def track(self, t: torch.Tensor, op: str = "?") -> None:
         try:
             s = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
@@ -196,11 +200,17 @@ class LiveBytes:
         if ref is not None and ref() is s:
             return
 
-        def gone(r, key=key, refs=self._refs):
+        def gone(r, key=key, refs=self._refs, made_by=self.made_by, made_at=self.made_at):
             if refs.get(key) is r:
                 del refs[key]
+                made_by.pop(key, None)
+                if made_at is not None:
+                    made_at.pop(key, None)
 
         self._refs[key] = weakref.ref(s, gone)
+        self.made_by[key] = op
+        if self.made_at is not None:
+            self.made_at[key] = _site()
 
     def live(self) -> int:
         total = 0
@@ -213,10 +223,20 @@ class LiveBytes:
     def storages(self) -> List[Any]:
         return [s for s in (r() for r in list(self._refs.values())) if s is not None]
 
+    def keyed(self) -> Dict[int, Any]:
+        """The live storages by key (``id`` of the storage object, as ``made_by`` keys them)."""
+        out = {}
+        for key, ref in list(self._refs.items()):
+            s = ref()
+            if s is not None:
+                out[key] = s
+        return out
+
     def note(self, func, args, kwargs, out) -> None:
         outs = _tensors(out)
+        op = str(func)
         for t in _tensors((args, kwargs)) + outs:
-            self.track(t)
+            self.track(t, op)
         if self.recording and outs:  # an op returning no tensor allocates nothing
             live = self.live()
             self.peak = max(self.peak, live)
@@ -557,6 +577,7 @@ class ProductionShapeMode(TorchDispatchMode):
         self._stack.__enter__()
         self._stack.enter_context(_HostReads(self))
         self._stack.enter_context(_fake_tolist(self))
+        self._stack.enter_context(_fake_numpy(self))
         self._stack.enter_context(_fake_data_ptr())
         self._stack.enter_context(_emulation_host_staging())
         return super().__enter__()
@@ -769,6 +790,25 @@ def _fake_tolist(mode: "ProductionShapeMode") -> Iterator[None]:
         yield
     finally:
         FakeTensor.tolist = original
+
+
+@contextlib.contextmanager
+def _fake_numpy(mode: "ProductionShapeMode") -> Iterator[None]:
+    """``FakeTensor.numpy`` where no torch function mode sees the call (a recomputed forward
+    inside backward: the all-to-all dispatcher's split sizes): as :class:`_HostReads` does."""
+    original = FakeTensor.__dict__.get("numpy")
+
+    def numpy(self, *args, **kwargs):
+        return _HostReads(mode).__torch_function__(torch.Tensor.numpy, (type(self),), (self,))
+
+    FakeTensor.numpy = numpy
+    try:
+        yield
+    finally:
+        if original is None:
+            del FakeTensor.numpy
+        else:
+            FakeTensor.numpy = original
 
 
 @contextlib.contextmanager
