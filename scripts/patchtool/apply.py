@@ -666,6 +666,12 @@ def record_resolutions(
         commits.pop()  # apply's label commit: not a patch
     prep = _prepare(co, ref, mirror, root, series_name)
     choice, moved = prep.choice, prep.moved
+    # A file the person changed that no patch of the series touches (a fix the series has no
+    # patch for at REF) is stored too; apply then reads it from the stored diff.
+    touched = set(co.out("diff", "--name-only", "--no-renames", ref, resolved).split())
+    extra = sorted(touched - set(prep.at_ref) - set(moved.values()))
+    if extra:
+        prep.at_ref.update(co.files(ref, extra))
     paths = set(prep.at_ref)
     landed = files_series_states(prep.at_ref, [p for p, _, _ in prep.states])
     ours, k = dict(prep.at_ref), 0

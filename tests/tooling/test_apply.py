@@ -425,6 +425,25 @@ def test_resolve_leaves_each_conflict_in_a_work_tree_for_a_person(mlm, tmp_path,
     assert after[5] == before[5]  # the checkout's files (the work tree DIR is elsewhere)
 
 
+def test_record_keeps_a_fix_in_a_file_no_patch_touches(mlm, capsys):
+    """A person's commit may fix, with a patch, a file no patch of the series touches (the fix
+    the series lacks at REF): --record stores it and apply replays it."""
+    m, c, repo = mlm
+    _apply(m, c[2], repo, branch="plain", label=False)
+    _git(m, "checkout", "--quiet", "-b", "fixed", f"{c[2]}")
+    for sha in _git(m, "rev-list", "--reverse", f"{c[2]}..plain").split():
+        _git(m, "cherry-pick", "--quiet", sha)
+        if _git(m, "log", "-1", "--format=%s").endswith("after combine"):
+            (m / "megatron/core/__init__.py").write_text("FIXED = True\n")
+            _git(m, "commit", "--quiet", "-a", "--amend", "--no-edit")
+    _git(m, "checkout", "--quiet", "main")
+    assert cli.main(["apply", str(m), "--ref", c[2], "--record", "fixed"]) == 0
+    assert "MoE-Release-dispatcher-state-after-combine.diff" in capsys.readouterr().out
+    _, result, _ = _apply(m, c[2], repo)
+    assert _verdicts(result)[P_RELEASE] == REPLAYED
+    assert _git(m, "show", f"moe-release/{c[2][:12]}:megatron/core/__init__.py") == "FIXED = True"
+
+
 def test_a_conflict_is_reported_and_nothing_changes(mlm, capsys, monkeypatch):
     """Without a stored resolution the same merge is a conflict: file, line, the patch's hunk,
     both sides and where the resolution would go; exit 1, refs, HEAD, index and work tree as
