@@ -287,6 +287,8 @@ class HybridEPLayout:
             ``moe_hybridep_num_sms_preprocessing``, default 108).
         blocks_dispatch / blocks_combine: SMs of the dispatch / combine kernels; multi-node
             queue pairs scale with them (None: deep_ep's multi-node default, 8).
+        local_rank: the rank priced within its NVLink domain: local rank 0 also allocates the
+            3 x 8 B of flags its peers map (None: a rank other than 0).
     """
 
     hidden: int
@@ -301,6 +303,7 @@ class HybridEPLayout:
     blocks_preprocessing: int = DEFAULT_BLOCKS_PREPROCESSING
     blocks_dispatch: Optional[int] = None
     blocks_combine: Optional[int] = None
+    local_rank: Optional[int] = None
 
     @property
     def max_tokens(self) -> int:
@@ -387,15 +390,24 @@ def hybridep_buffer_terms(layout: HybridEPLayout) -> List[Term]:
         Term("preprocessing scratch", lay.blocks_preprocessing * (r + lay.local_experts)
              * TMP_STATE_BYTES, OUTSIDE, f"{nvl}:180-190"),
         # dispatch: expected flag 8 + parity 4 + permute flag 4; combine: the same.
-        Term("flags", 2 * (8 + 4 + 4), OUTSIDE, f"{nvl}:220-226,269-274",
-             "local rank 0 also holds 2 x 8 B of write-completion flags (:216-219,264-267)"),
+        Term("flags", 2 * (8 + 4 + 4), OUTSIDE, f"{nvl}:220-226,269-274"),
         Term("all-gathered routing map (N x E, bool)", n * e, OUTSIDE,
              "extension/allgather.cu:144-147",
              "allocated always; read only with enable_custom_allgather (default False)"),
     ]  # fmt: skip
+    if lay.local_rank == 0:  # allocated by local rank 0, mapped by its peers
+        t += [
+            Term("dispatch write-completion flags (local rank 0)", INT64, OUTSIDE,
+                 f"{nvl}:216-218"),
+            Term("combine write-completion flags (local rank 0)", INT64, OUTSIDE,
+                 f"{nvl}:264-266"),
+        ]  # fmt: skip
     if nodes == 1:
         t.append(Term("all-gather flags and peer pointers", 8 + 8 + r * 8, OUTSIDE,
                       "extension/allgather.cu:157-164"))  # fmt: skip
+        if lay.local_rank == 0:
+            t.append(Term("all-gather NVLink sync flag (local rank 0)", INT64, OUTSIDE,
+                          "extension/allgather.cu:150-154"))  # fmt: skip
     t.append(Term("allocator probe", ALLOCATOR_TEST_BYTES, OUTSIDE, "allocator/allocator.cu:62"))
     if nodes > 1:
         t += _hybridep_rdma_terms(lay, tok, scales)
@@ -825,6 +837,8 @@ class MoEMemoryConfig:
     group on one rank). ``moe_layer_freq`` is Megatron's: N (layer i is MoE when i % N == 0), a
     0/1 list of ``num_layers`` entries, or a pattern string such as ``"([0]*3+[1]*58)"``
     (stored as the tuple). ``deep_ep`` names the deep_ep source priced (:data:`DEEP_EP_SOURCES`).
+    ``local_rank``: the rank priced within its NVLink domain; HybridEP's local rank 0 holds 24 B
+    of flags more than its peers (None: a rank other than 0).
     """
 
     hidden_size: int
@@ -861,6 +875,7 @@ class MoEMemoryConfig:
     ranks_per_node: int = 8
     routed_rows_factor: float = 1.0
     deep_ep: str = "hybrid-ep"
+    local_rank: Optional[int] = None
 
     def __post_init__(self):
         object.__setattr__(
@@ -1319,6 +1334,7 @@ def hybridep_layout(cfg: MoEMemoryConfig, rows: Optional[int] = None) -> HybridE
         blocks_preprocessing=cfg.moe_hybridep_num_sms_preprocessing,
         blocks_dispatch=cfg.moe_flex_dispatcher_num_sms,
         blocks_combine=cfg.moe_flex_dispatcher_num_sms,
+        local_rank=None if cfg.local_rank is None else cfg.local_rank % r,
     )
 
 
@@ -1626,7 +1642,7 @@ CONFIG_FIELDS = tuple(
     f.name
     for f in fields(MoEMemoryConfig)
     if f.name not in ("tokens_per_rank", "seq_length", "micro_batch_size", "ranks_per_node",
-                      "routed_rows_factor", "deep_ep", "bf16")
+                      "routed_rows_factor", "deep_ep", "bf16", "local_rank")
 )  # fmt: skip
 
 
@@ -1648,6 +1664,7 @@ def config_from(
     ranks_per_node: int = 8,
     routed_rows_factor: float = 1.0,
     deep_ep: str = "hybrid-ep",
+    local_rank: Optional[int] = None,
 ) -> MoEMemoryConfig:
     """The :class:`MoEMemoryConfig` of a megatron-core ``TransformerConfig`` (its fields read
     with getattr) or a Mapping of the same field names; a field it lacks or holds None takes
@@ -1676,6 +1693,7 @@ def config_from(
         ranks_per_node=ranks_per_node,
         routed_rows_factor=routed_rows_factor,
         deep_ep=deep_ep,
+        local_rank=local_rank,
     )
 
 
@@ -1687,6 +1705,7 @@ def estimate(
     routed_rows_factor: float = 1.0,
     deep_ep: str = "hybrid-ep",
     releases: Optional[bool] = None,
+    local_rank: Optional[int] = None,
 ) -> MoEMemoryEstimate:
     """The MoE memory one rank of ``config`` holds, before anything is allocated: the flex
     dispatcher's communication buffers and the dispatcher state the tree keeps between calls.
@@ -1705,6 +1724,8 @@ def estimate(
             (``DEEP_EP_COMMIT``) or ``main`` (``DEEP_EP_MAIN_COMMIT``).
         releases: whether the tree releases its dispatchers' state after combine; None reads
             it from the installed megatron-core (:func:`installed_tree_releases`).
+        local_rank: the rank priced (its rank within the NVLink domain counts): HybridEP's
+            local rank 0 allocates 3 x 8 B of flags its peers map; None prices a peer.
 
     Returns:
         A :class:`MoEMemoryEstimate`: every term with its bytes, where it lives and the source
@@ -1724,7 +1745,9 @@ def estimate(
     dispatcher state of the DeepEP v2 and NCCL EP backends (``dispatcher_state`` is None).
     HybridEP's chunk sizes are read from the environment, as deep_ep reads them.
     """
-    cfg = config_from(config, tokens_per_rank, ranks_per_node, routed_rows_factor, deep_ep)
+    cfg = config_from(
+        config, tokens_per_rank, ranks_per_node, routed_rows_factor, deep_ep, local_rank
+    )
     return estimate_config(cfg, releases)
 
 

@@ -27,6 +27,7 @@
   ``--help``.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -263,23 +264,29 @@ def test_planner_and_emulations_size_the_new_backends_alike(
     assert planner.total(got, planner.HOST) == want["pinned"]
 
 
-# What local rank 0 of a HybridEP NVLink domain allocates beyond the others, which the planner
-# does not price (it prices a rank other than 0; deep_ep 94a9f8f csrc/hybrid_ep/buffer/
-# intranode.cu:216-218,264-266 and extension/allgather.cu:150-154: 3 x 8 bytes). The emulation
-# reads them from the source, so the comparison names them on local rank 0 until the planner
-# prices them; then this set goes and rank 0 must agree as the others do.
-PLANNER_OMITS_ON_LOCAL_RANK_0 = (
-    "combine write-completion flags",
-    "dispatch write-completion flags",
-    "all-gather NVLink sync flag",
-)
-
-
-def _only_the_rank_0_flags(problems: list) -> bool:
-    """Whether the comparison's differences are exactly the flags the planner omits."""
-    return len(problems) == 3 and all(
-        any(repr(name) in p for p in problems) for name in PLANNER_OMITS_ON_LOCAL_RANK_0
-    )
+def test_local_rank_0_holds_the_flags_its_peers_map():
+    """HybridEP's local rank 0 allocates three 8-byte flags the other ranks of its NVLink domain
+    map (deep_ep 94a9f8f csrc/hybrid_ep/buffer/intranode.cu:216-218 dispatch and 264-266
+    combine write-completion flags, extension/allgather.cu:150-154 the all-gather's NVLink sync
+    flag): the planner prices them for ``local_rank=0`` only."""
+    kw = dict(hidden=2048, local_experts=128, ranks_per_node=2, nodes=1, rows=105216)
+    peer = planner.hybridep_buffer_terms(planner.HybridEPLayout(**kw))
+    assert peer == planner.hybridep_buffer_terms(planner.HybridEPLayout(**kw, local_rank=1))
+    rank0 = planner.hybridep_buffer_terms(planner.HybridEPLayout(**kw, local_rank=0))
+    extra = {t.source: t.nbytes for t in rank0 if t not in peer}
+    assert extra == {
+        "buffer/intranode.cu:216-218": 8,
+        "buffer/intranode.cu:264-266": 8,
+        "extension/allgather.cu:150-154": 8,
+    }
+    assert planner.total(rank0) == planner.total(peer) + 24
+    cfg = dict(hidden_size=2048, num_moe_experts=256, moe_router_topk=8, num_layers=1,
+               expert_model_parallel_size=2, moe_token_dispatcher_type="flex",
+               moe_flex_dispatcher_backend="hybridep")  # fmt: skip
+    by_rank = [
+        planner.estimate(cfg, 105153, releases=True, local_rank=r).buffer_bytes for r in (0, 1)
+    ]
+    assert by_rank == [planner.total(rank0), planner.total(peer)]
 
 
 @pytest.mark.parametrize(
@@ -290,7 +297,7 @@ def _only_the_rank_0_flags(problems: list) -> bool:
 def test_planner_and_emulation_size_hybridep_alike(rows, hidden, local, ranks, blocks):
     """The planner's HybridEP buffer and the emulation's were each written from deep_ep's
     source, separately: term by term (matched through the lines they cite) they agree on
-    every local rank but 0, where only the flags the planner omits differ."""
+    every local rank, 0 included."""
     from cpu_runtime import hybridep_emulation as hep
     from report.buffer_section import compare_terms
 
@@ -298,13 +305,11 @@ def test_planner_and_emulation_size_hybridep_alike(rows, hidden, local, ranks, b
         hidden=hidden, local_experts=local, ranks_per_node=ranks, nodes=1, rows=rows,
         blocks_preprocessing=blocks or planner.DEFAULT_BLOCKS_PREPROCESSING,
     )  # fmt: skip
-    ours = planner.hybridep_buffer_terms(lay)
-    for local_rank in range(1, ranks):
+    for local_rank in range(ranks):
+        ours = planner.hybridep_buffer_terms(dataclasses.replace(lay, local_rank=local_rank))
         emulated = hep.hybrid_ep_buffer_terms(rows, hidden, local, ranks, local_rank, blocks)
         assert compare_terms(ours, emulated) == []
         assert sum(t.nbytes for t in emulated) == planner.total(ours, planner.OUTSIDE)
-    rank0 = hep.hybrid_ep_buffer_terms(rows, hidden, local, ranks, 0, blocks)
-    assert _only_the_rank_0_flags(compare_terms(ours, rank0))
 
 
 @pytest.mark.parametrize("ranks", sorted(planner.DEEPEP_DISPATCH_CONFIGS))
@@ -434,19 +439,20 @@ def test_a_wrong_deepep_planner_term_is_caught(monkeypatch, wrong):
 
 def test_emulation_allocates_its_terms_and_regrows(monkeypatch):
     """The CPU emulation's counted buffers are its own terms: HybridEP's for its rows, regrown
-    (freed, then allocated) when a call needs more, equal to the planner's but for local rank
-    0's flags; DeepEP's hints for the group."""
+    (freed, then allocated) when a call needs more, equal to the planner's for local rank 0
+    (the emulated buffer's rank); DeepEP's hints for the group."""
     from cpu_runtime import deep_ep_emulation as emu
     from report.buffer_section import compare_terms
 
     buf = emu.HybridEPBuffer(None, 64, 100, 4)
-    lay = planner.HybridEPLayout(hidden=64, local_experts=4, ranks_per_node=1, nodes=1, rows=512)
+    lay = planner.HybridEPLayout(hidden=64, local_experts=4, ranks_per_node=1, nodes=1, rows=512,
+                                 local_rank=0)  # fmt: skip
     assert buf.rows == 512 and buf.memory.nbytes == sum(t.nbytes for t in buf.terms)
-    assert _only_the_rank_0_flags(compare_terms(planner.hybridep_buffer_terms(lay), buf.terms))
+    assert compare_terms(planner.hybridep_buffer_terms(lay), buf.terms) == []
     buf._grow(600)
     assert buf.rows == 640
-    lay = planner.HybridEPLayout(hidden=64, local_experts=4, ranks_per_node=1, nodes=1, rows=640)
-    assert buf.memory.nbytes == planner.total(planner.hybridep_buffer_terms(lay)) + 24
+    lay = dataclasses.replace(lay, rows=640)
+    assert buf.memory.nbytes == planner.total(planner.hybridep_buffer_terms(lay))
     config = emu.Buffer.get_dispatch_config(2)
     assert config.get_nvl_buffer_size_hint(4096, 2) == 31_498_752
     assert config.get_rdma_buffer_size_hint(4096, 2) == 0
@@ -502,14 +508,13 @@ def test_per_call_prediction_matches_emulated_dispatch(dist_job, patched_tree):
             hidden_size=hidden, num_moe_experts=got["experts"], moe_router_topk=got["topk"],
             num_layers=1, expert_model_parallel_size=2, tokens_per_rank=tokens,
             moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep",
+            local_rank=rank,
         )  # fmt: skip
         predicted = planner.per_call_bytes(cfg)
         measured = {k: got[k] for k in predicted}
         assert measured == predicted, f"rank {rank}"
-        # The emulation's own buffer for the buffer megatron built: the planner's, but for the
-        # flags local rank 0 holds beyond the others (PLANNER_OMITS_ON_LOCAL_RANK_0).
-        extra = 24 if rank == 0 else 0
-        assert got["buffer"] == planner.total(planner.buffer_terms(cfg), planner.OUTSIDE) + extra
+        # The emulation's own buffer for the buffer megatron built: the planner's for the rank.
+        assert got["buffer"] == planner.total(planner.buffer_terms(cfg), planner.OUTSIDE)
 
 
 def rank_recompute_extent(tokens: list, hidden: int):
