@@ -45,8 +45,9 @@ def model_kwargs(backend: str) -> Dict[str, Any]:
     return out
 
 
-def planner_terms(config, tokens: int, ep: int) -> list:
-    """The tree's memory planner's terms for ``config``'s communication buffers."""
+def planner_terms(config, tokens: int, ep: int, local_rank: Optional[int] = None) -> list:
+    """The tree's memory planner's terms for ``config``'s communication buffers on the rank
+    ``local_rank`` (HybridEP's local rank 0 holds flags its peers map; None: a peer)."""
     from megatron.core.transformer.moe import moe_memory_planner as planner
 
     cfg = planner.MoEMemoryConfig(
@@ -60,6 +61,7 @@ def planner_terms(config, tokens: int, ep: int) -> list:
         moe_expert_rank_capacity_factor=config.moe_expert_rank_capacity_factor,
         bf16=config.bf16,
         tokens_per_rank=tokens,
+        local_rank=local_rank,
     )
     return planner.buffer_terms(cfg)
 
@@ -107,7 +109,7 @@ def rank_loop(backend: str, release: bool, tokens: int = TOKENS) -> Dict[str, An
     if release:
         # The emulation's own reading of the buffers' allocations (HybridEP, DeepEP list them).
         emulated = [t for b in held_comm_buffers(fused_a2a) for t in getattr(b, "terms", ())]
-        planned = planner_terms(config, tokens, ep)
+        planned = planner_terms(config, tokens, ep, local_rank=dist.get_rank())
         out["mismatches"] = compare_terms(planned, emulated) if emulated else None
         gc.collect()
         before = cpu_memory.settled()
