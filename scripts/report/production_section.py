@@ -62,6 +62,18 @@ NOT_SEEN = (
     "both ranks)."
 )
 
+SEED_DIFFERENCES = (
+    "  Why the seed differs: its figures are rounded to 0.01 GB and come from another model and "
+    "code (Qwen3.6-35B-A3B with LoRA, attention and GDN layers, TE kernels, CP2 with unequal "
+    "token counts in one job, ART's release of three manager fields, CUDA's allocator); its "
+    "peaks fall mid-backward where 7 layers' router state and 5 layers' leaf gradients are "
+    "alive; this model's peak (full expert weight gradients, no attention) falls where its own "
+    "tensors put it, and which layers' state it holds is not attributed here; the warm peak equals "
+    "the cold one on both trees here, so every layer's dispatch has replaced the previous "
+    "call's state "
+    "before the peak. Not attributed term by term: the seed does not print its terms."
+)
+
 # Measured attribute (dropped in this order) -> the planner's terms it frees.
 ATTRIBUTE_TERMS = {
     "_HybridEPManager.token_probs": ("token_probs [T, E] fp32",),
@@ -70,11 +82,19 @@ ATTRIBUTE_TERMS = {
     "_HybridEPManager.dispatched_probs": ("dispatched_probs [P] fp32", "handle: *",
                                           "recompute input leaf [T, H]", "its .grad [T, H]"),
 }  # fmt: skip
+# Measured attributes the planner does not price, and why.
+NOT_PRICED = {
+    "_HybridEPManager.over_budget": "a 1-byte flag made at construction (token_dispatcher.py:1054, "
+    "so counted with the parameters) and accumulated in place: no dispatch frees it, both trees "
+    "keep it",
+}
 
 
-def planner_estimate(shape: Dict[str, int], tokens: int, layers: int, releases: bool):
+def planner_estimate(
+    shape: Dict[str, int], tokens: int, layers: int, releases: bool, rank: Optional[int] = None
+):
     """The planner's ``estimate()`` (loaded by path, as ``scripts/moe_memory_plan.py`` does) of
-    the measured configuration."""
+    the measured configuration; ``rank``: the local rank whose buffer is priced."""
     from memory_plan.pricing import planner
 
     config = dict(
@@ -83,7 +103,7 @@ def planner_estimate(shape: Dict[str, int], tokens: int, layers: int, releases: 
         moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep",
         recompute_granularity="selective", recompute_modules=["moe"], bf16=True,
     )  # fmt: skip
-    return planner.estimate(config, tokens, releases=releases)
+    return planner.estimate(config, tokens, releases=releases, local_rank=rank)
 
 
 def collect(
@@ -107,7 +127,7 @@ def collect(
         for kind in trees:
             row[kind] = jobs[(kind, n)][rank]
         for kind, releases in (("planner_base", False), ("planner_patched", True)):
-            est = planner_estimate(shape, n, shape["layers"], releases)
+            est = planner_estimate(shape, n, shape["layers"], releases, rank)
             row[kind] = {
                 "per_layer": est.dispatcher_state_bytes_per_layer,
                 "total": est.dispatcher_state_bytes,
@@ -152,12 +172,51 @@ def term_table(row: Dict[str, Any]) -> List[tuple]:
     return table
 
 
-def _term_rows(row: Dict[str, Any]) -> List[str]:
+def routed_rows(tokens: int, shape: Dict[str, int], rank: int, ep: int = 2) -> int:
+    """Token-expert rows ``rank``'s experts receive under the balanced routing, every rank
+    sending ``tokens`` (the job's); the planner takes T x top-k."""
+    import torch
+
+    from cpu_runtime.production_shape import BalancedRouting
+
+    e, k = shape["experts"], shape["topk"]
+    local = e // ep
+    rows = 0
+    for src in range(ep):
+        idx = BalancedRouting().indices(src, 1, tokens, e, k)
+        counts = torch.bincount(idx.flatten(), minlength=e)
+        rows += int(counts[rank * local : (rank + 1) * local].sum())
+    return rows
+
+
+def explained(row: Dict[str, Any], shape: Dict[str, int]) -> List[tuple]:
+    """Layer 1's measured-minus-planner bytes, term by term: ``(what, bytes)``."""
+    out = []
+    for attr, measured, _, names in term_table(row):
+        if not names:
+            out.append((f"{attr}: {NOT_PRICED.get(attr, 'not priced by the planner')}", measured))
+        elif attr.endswith(".dispatched_probs"):
+            p = routed_rows(row["tokens"], shape, row["rank"])
+            n = row["tokens"] * shape["topk"]
+            out.append((f"dispatched_probs [P] fp32: P = {p:,} rows routed here, the planner's "
+                        f"T x k = {n:,}", (p - n) * 4))  # fmt: skip
+    per_layer = row["base"]["per_layer"][0] - row["planner_base"]["per_layer"]
+    out.append(("not explained", per_layer - sum(b for _, b in out)))
+    return out
+
+
+def _term_rows(row: Dict[str, Any], shape: Dict[str, int]) -> List[str]:
     lines = []
     for attr, measured, priced, names in term_table(row):
         note = ", ".join(names) if names else "not priced"
         lines.append(f"    {attr:<36} {_b(measured):>15} {_b(priced):>15} {measured - priced:>+12,}"
                      f"  {note}")  # fmt: skip
+    lines.append(
+        f"    measured - planner, per layer: "
+        f"{row['base']['per_layer'][0] - row['planner_base']['per_layer']:+,} B ="
+    )
+    for what, nbytes in explained(row, shape):
+        lines.append(f"      {nbytes:>+6,} B  {what}")
     return lines
 
 
@@ -181,6 +240,7 @@ def render(data: Dict[str, Any], forty: Optional[Dict[str, Any]] = None) -> str:
                            ("  dispatcher state (the rest)", "state")):  # fmt: skip
             out.append(f"  {label:<30} {_b(b[key]):>16} {_b(p[key]):>16} "
                        f"{_b(b[key] - p[key]):>16}")  # fmt: skip
+        out.append(f"  {'  planner: buffers':<30} {_b(pb['buffer']):>16} {_b(pp['buffer']):>16}")
         out.append(f"  {'  planner: dispatcher state':<30} {_b(pb['total']):>16} "
                    f"{_b(pp['total']):>16} {_b(pb['total'] - pp['total']):>16}")  # fmt: skip
         out.append(f"  {'per layer, freed by dispatch':<30} {_span(row['base']['per_layer']):>16} "
@@ -194,7 +254,7 @@ def render(data: Dict[str, Any], forty: Optional[Dict[str, Any]] = None) -> str:
                    f"(the dispatcher's share)")  # fmt: skip
         out.append("  layer 1, term by term: attribute (dropped in this order)   measured   "
                    "planner   difference")  # fmt: skip
-        out.extend(_term_rows(row))
+        out.extend(_term_rows(row, s))
     out.append("")
     out.append(f"Beside {SEED['source']}:")
     last = data["ranks"][-1]
@@ -209,6 +269,19 @@ def render(data: Dict[str, Any], forty: Optional[Dict[str, Any]] = None) -> str:
                    f"-{_gb(d0)}; planner -{_gb(first['planner_base']['total'])}")  # fmt: skip
     out.append(f"  rank 1 warm peak: seed -{_gb(SEED['warm_peak_drop_rank1'])}; here "
                f"-{_gb(last['base']['peaks'][-1] - last['patched']['peaks'][-1])}")  # fmt: skip
+    attrs = {attr: measured for attr, measured, _, _ in term_table(last)}
+    layers = data["shape"]["layers"]
+    setup = layers * sum(
+        attrs.get(f"_HybridEPManager.{a}", 0) for a in ("routing_map", "token_probs")
+    )
+    dispatch = layers * attrs.get("_HybridEPManager.dispatched_probs", 0)
+    out.append(
+        f"  rank 1, where the warm call frees it: seed {_gb(SEED['freed_at_setup_metadata'])} "
+        f"in setup_metadata, here {_gb(setup)} (routing_map + token_probs, x {layers} "
+        f"layers); seed {_gb(SEED['freed_at_dispatch'])} at dispatch, here {_gb(dispatch)} "
+        f"(dispatched_probs, the handle and the recompute leaf + .grad its graph holds)"
+    )
+    out.append(SEED_DIFFERENCES)
     if forty:
         out.append("")
         out.append(forty["text"])

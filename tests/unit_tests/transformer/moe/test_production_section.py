@@ -56,6 +56,9 @@ def test_measured_attributes_match_the_planner_terms(base_tree, patched_tree):
         for attr, measured, priced, names in ps.term_table(row):
             if names:
                 assert measured == priced, (row["rank"], attr, measured, priced)
+        assert ps.explained(row, data["shape"])[-1] == ("not explained", 0)
+        # The emulation sizes its buffer from deep_ep's source, the planner from its own terms.
+        assert row["base"]["buffers"] == row["planner_base"]["buffer"]
 
 
 @pytest.mark.slow
