@@ -217,8 +217,12 @@ PRODUCTION = dict(ep=2, tokens=105153, hidden=2048, experts=256, topk=8, ffn=768
 def test_production_shape_retention(patched_tree, base_tree, dispatcher, backend):
     """The unpatched base keeps the dispatcher state after backward; the series keeps none of
     the flex dispatchers' and less of the others'. (Measured at 2d58073: the patched all-to-all
-    keeps its two split-size arrays, 40 B; the patched all-gather dispatcher keeps T x H x 4 =
-    861,413,376 B, as its real small-shape run does: not yet explained.)"""
+    keeps its two split-size arrays, 40 B; the patched all-gather keeps T x H x 4 =
+    861,413,376 B, as its real small-shape run does: megatron's GlobalMemoryBuffer ('mpu'), the
+    workspace its token_dispatch gathers the [2T, H] tokens into, one per rank for every layer,
+    not dispatcher state (retained_origins names it; docs/planner.md). The base figures also
+    hold this harness's input leaf and its .grad, T x H x 4, which the planner prices as the
+    recompute leaf.)"""
     from cpu_runtime.production_shape_run import run
 
     runs = {
