@@ -137,6 +137,27 @@ def gpt_model(config, cfg: Dict, spec, mtp_spec=None):
     )
 
 
+def local_moe_submodules(num_experts: int):
+    """The MoESubmodules of megatron-core's local (non-TE) GPT layer spec, on every tree: the
+    ModuleSpec form where the submodules function is missing (0.16), the spec's own
+    ``submodules`` before ``spec_utils.get_submodules`` (#3426, main 2026-03-24)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from megatron.core.transformer import spec_utils
+
+    if not hasattr(gpt_layer_specs, "get_gpt_layer_local_submodules"):
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=num_experts, moe_grouped_gemm=False
+        )
+        return spec.submodules.mlp.submodules
+    mlp = gpt_layer_specs.get_gpt_layer_local_submodules(
+        num_experts=num_experts, moe_grouped_gemm=False
+    ).mlp
+    if not hasattr(spec_utils, "get_submodules"):
+        return mlp.submodules
+    return spec_utils.get_submodules(mlp)
+
+
 def build_moe_layer(config, layer_number: int = 1):
     """megatron-core's MoELayer with SequentialMLP experts and the real TopKRouter."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec

@@ -87,18 +87,9 @@ def layer_config(
 
 
 def _local_moe_submodules(experts: int):
-    from megatron.core.models.gpt import gpt_layer_specs
+    from cpu_runtime.moe_harness import local_moe_submodules
 
-    if not hasattr(gpt_layer_specs, "get_gpt_layer_local_submodules"):
-        spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False)
-        return spec.submodules.mlp.submodules
-    from megatron.core.transformer.spec_utils import get_submodules
-
-    return get_submodules(
-        gpt_layer_specs.get_gpt_layer_local_submodules(
-            num_experts=experts, moe_grouped_gemm=False
-        ).mlp
-    )
+    return local_moe_submodules(experts)
 
 
 def _comm_buffer_tensors() -> List[torch.Tensor]:

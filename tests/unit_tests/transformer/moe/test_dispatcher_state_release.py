@@ -181,19 +181,9 @@ def _build_layers(dispatcher, backend, ep, num_layers=NUM_LAYERS, recompute="non
 
 def _local_moe_submodules():
     """The MoESubmodules of megatron-core's local (non-TE) GPT layer spec."""
-    from megatron.core.models.gpt import gpt_layer_specs
+    from cpu_runtime import moe_harness
 
-    if not hasattr(gpt_layer_specs, "get_gpt_layer_local_submodules"):
-        # megatron-core 0.16 has only the ModuleSpec form (and no spec_utils.get_submodules).
-        spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
-        return spec.submodules.mlp.submodules
-    from megatron.core.transformer import spec_utils
-
-    mlp = gpt_layer_specs.get_gpt_layer_local_submodules(num_experts=4, moe_grouped_gemm=False).mlp
-    if not hasattr(spec_utils, "get_submodules"):
-        # Before #3426 (main 2026-03-24) the MoE layer's submodules are its ModuleSpec's.
-        return mlp.submodules
-    return spec_utils.get_submodules(mlp)
+    return moe_harness.local_moe_submodules(4)
 
 
 def _run_stack(layers, x, recompute):
