@@ -29,6 +29,7 @@ the same program at small sizes gives the same trace both ways (the mode's own t
 """
 
 import contextlib
+import functools
 import os
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -45,7 +46,7 @@ from torch._subclasses.fake_tensor import (
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_modes
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 aten = torch.ops.aten
 
@@ -174,12 +175,18 @@ class Routing:
 
 
 class LiveBytes:
-    """Live bytes of the storages ops returned: weak references to each storage, the sum of the
-    live ones' ``nbytes`` (a storage resized to 0 counts 0). ``trace`` holds ``(op, live
-    bytes)`` after each op while ``recording``."""
+    """Live bytes of the storages ops returned: weak references to each storage and a running
+    total of the live ones' ``nbytes`` (a storage resized to 0 counts 0): a storage's bytes
+    are added when an op first returns or reads it, re-read whenever an op touches it again or
+    it is resized (:meth:`watching_resizes`), and subtracted when it dies. ``trace`` holds
+    ``(op, live bytes)`` after each op while ``recording``. With ``MOE_RELEASE_LIVE_BYTES_CHECK``
+    set, every :meth:`live` is checked against the sum over all storages (:meth:`exact`)."""
 
     def __init__(self) -> None:
         self._refs: Dict[int, weakref.ref] = {}
+        self._sizes: Dict[int, int] = {}
+        self._total = 0
+        self.check = bool(os.environ.get("MOE_RELEASE_LIVE_BYTES_CHECK"))
         self.trace: List[Tuple[str, int]] = []
         self.recording = False
         self.peak = 0
@@ -190,35 +197,82 @@ class LiveBytes:
         self.made_by: Dict[int, str] = {}
         self.made_at: Optional[Dict[int, str]] = None
 
+    def _gone(self, r, key: int) -> None:
+        if self._refs.get(key) is r:
+            del self._refs[key]
+            self._total -= self._sizes.pop(key)
+            self.made_by.pop(key, None)
+            if self.made_at is not None:
+                self.made_at.pop(key, None)
+
     def track(self, t: torch.Tensor, op: str = "?") -> None:
         try:
             s = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
             return
+        self.track_storage(s, op)
+
+    def track_storage(self, s, op: str = "?") -> None:
+        """Count storage ``s`` (from now on), or re-read its size if counted."""
         key = id(s)
         ref = self._refs.get(key)
-        if ref is not None and ref() is s:
-            return
+        if ref is not None:
+            if ref() is s:
+                n = s.nbytes()
+                self._total += n - self._sizes[key]
+                self._sizes[key] = n
+                return
+            self._total -= self._sizes.pop(key)  # dead, its callback not run yet
 
-        def gone(r, key=key, refs=self._refs, made_by=self.made_by, made_at=self.made_at):
-            if refs.get(key) is r:
-                del refs[key]
-                made_by.pop(key, None)
-                if made_at is not None:
-                    made_at.pop(key, None)
+        self_ref = weakref.ref(self)
+
+        def gone(r, key=key, self_ref=self_ref):
+            counter = self_ref()
+            if counter is not None:
+                counter._gone(r, key)
 
         self._refs[key] = weakref.ref(s, gone)
+        self._sizes[key] = n = s.nbytes()
+        self._total += n
         self.made_by[key] = op
         if self.made_at is not None:
             self.made_at[key] = _site()
 
-    def live(self) -> int:
+    @contextlib.contextmanager
+    def watching_resizes(self):
+        """Re-read a counted storage's size after ``UntypedStorage.resize_`` (megatron frees
+        memory so, e.g. ``untyped_storage().resize_(0)``), which reaches no dispatch mode."""
+        original = torch.UntypedStorage.resize_
+        self_ref = weakref.ref(self)
+
+        def resize_(storage, size):
+            out = original(storage, size)
+            counter = self_ref()
+            if counter is not None and id(storage) in counter._refs:
+                counter.track_storage(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        try:
+            yield self
+        finally:
+            torch.UntypedStorage.resize_ = original
+
+    def exact(self) -> int:
+        """The sum of every live counted storage's ``nbytes``, read now."""
         total = 0
         for ref in list(self._refs.values()):
             s = ref()
             if s is not None:
                 total += s.nbytes()
         return total
+
+    def live(self) -> int:
+        if self.check:
+            exact = self.exact()
+            if exact != self._total:
+                raise AssertionError(f"live bytes: running total {self._total:,}, sum {exact:,}")
+        return self._total
 
     def storages(self) -> List[Any]:
         return [s for s in (r() for r in list(self._refs.values())) if s is not None]
@@ -232,10 +286,12 @@ class LiveBytes:
                 out[key] = s
         return out
 
-    def note(self, func, args, kwargs, out) -> None:
+    def note(self, func, args, kwargs, out, inputs: Optional[List[torch.Tensor]] = None) -> None:
+        """Count the storages ``func`` read (``inputs``: its argument tensors, if known) and
+        returned; while ``recording``, the live bytes after it."""
         outs = _tensors(out)
         op = str(func)
-        for t in _tensors((args, kwargs)) + outs:
+        for t in (_tensors((args, kwargs)) if inputs is None else inputs) + outs:
             self.track(t, op)
         if self.recording and outs:  # an op returning no tensor allocates nothing
             live = self.live()
@@ -267,7 +323,23 @@ def bytes_of(tensors: Sequence[torch.Tensor]) -> int:
 
 
 def _tensors(tree) -> List[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+    """The tensors in an op's arguments or outputs (tuples, lists and dicts of them), in
+    ``tree_flatten``'s order: a walk of those three containers only, which is all aten's
+    schemas hold, for a fraction of the general pytree's cost."""
+    found: List[torch.Tensor] = []
+    _collect(tree, found)
+    return found
+
+
+def _collect(x, found: List[torch.Tensor]) -> None:
+    if isinstance(x, torch.Tensor):
+        found.append(x)
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            _collect(v, found)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _collect(v, found)
 
 
 def compare_traces(real: List[Tuple[str, int]], fake: List[Tuple[str, int]]) -> Optional[str]:
@@ -298,6 +370,18 @@ class RealRun(TorchDispatchMode):
         self.routing = routing
         self.counter = counter
         self.record = record
+        self._resizes = None
+
+    def __enter__(self):
+        self._resizes = self.counter.watching_resizes()
+        self._resizes.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._resizes.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -489,6 +573,11 @@ class _Values:
             if not known:
                 self.origin[id(t.untyped_storage())] = why
             return
+        if not known and (_covers(t) or not _wants_value_of_storage(t)):
+            # All of it unknown now, or data no size is read from (a large floating storage,
+            # as _wants_value keeps none): dropped whole, never materialized or masked.
+            self.forget(t, why)
+            return
         if entry[1] is None:
             if known:
                 return
@@ -534,17 +623,24 @@ def _why(reason: str) -> str:
     return " <- ".join(links)
 
 
+def _wants_value_of_storage(t: torch.Tensor) -> bool:
+    """:func:`_wants_value` of ``t``'s whole storage, read as ``t.dtype``."""
+    floating = t.dtype.is_floating_point or t.dtype.is_complex
+    return not floating or t.untyped_storage().nbytes() // t.element_size() <= SMALL_FLOAT
+
+
 def _is_fake(t) -> bool:
     return isinstance(t, FakeTensor)
 
 
-def _writes(func) -> List[int]:
+@functools.cache
+def _writes(func) -> Tuple[int, ...]:
     """Positions of the arguments ``func`` writes (schema alias annotations)."""
-    return [
+    return tuple(
         i
         for i, a in enumerate(func._schema.arguments)
         if a.alias_info is not None and a.alias_info.is_write
-    ]
+    )
 
 
 def _wants_value(t: torch.Tensor) -> bool:
@@ -580,6 +676,7 @@ class ProductionShapeMode(TorchDispatchMode):
         self._stack.enter_context(_fake_numpy(self))
         self._stack.enter_context(_fake_data_ptr())
         self._stack.enter_context(_emulation_host_staging())
+        self._stack.enter_context(self.counter.watching_resizes())
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -611,12 +708,15 @@ class ProductionShapeMode(TorchDispatchMode):
     # -- ops -------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        # Real tensors reaching an op (``torch.tensor(...)``'s lift_fresh, constants) become fake
-        # tensors with their values.
-        args, kwargs = tree_map(
-            lambda a: self.fake_of(a) if isinstance(a, torch.Tensor) and not _is_fake(a) else a,
-            (args, kwargs),
-        )
+        inputs = _tensors((args, kwargs))
+        if not all(_is_fake(t) for t in inputs):
+            # Real tensors reaching an op (``torch.tensor(...)``'s lift_fresh, constants) become
+            # fake tensors with their values.
+            args, kwargs = tree_map(
+                lambda a: self.fake_of(a) if isinstance(a, torch.Tensor) and not _is_fake(a) else a,
+                (args, kwargs),
+            )
+            inputs = _tensors((args, kwargs))
         name = str(func)
         if self.routing.applies(func, args, kwargs):
             with self.fake:
@@ -628,13 +728,12 @@ class ProductionShapeMode(TorchDispatchMode):
         elif func is aten._local_scalar_dense.default:
             out = self.value(args[0], name).item()
         else:
-            out = self._op(func, name, args, kwargs)
+            out = self._op(func, name, args, kwargs, inputs)
         out = self._seeded_error(name, out)
-        self.counter.note(func, args, kwargs, out)
+        self.counter.note(func, args, kwargs, out, inputs)
         return out
 
-    def _op(self, func, name, args, kwargs):
-        inputs = _tensors((args, kwargs))
+    def _op(self, func, name, args, kwargs, inputs):
         written = [args[i] for i in _writes(func) if i < len(args)] + [
             v for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k == "out"
         ]
@@ -726,7 +825,7 @@ class ProductionShapeMode(TorchDispatchMode):
             for i in indices:
                 expanded.extend(i if isinstance(i, tuple) else [i])
             new_args = (args[0], expanded, *args[2:])
-            return self._op(func, name, new_args, kwargs)
+            return self._op(func, name, new_args, kwargs, _tensors((new_args, kwargs)))
         if func is aten.masked_select.default:
             x, mask = args
             shape = torch.broadcast_shapes(x.shape, mask.shape)

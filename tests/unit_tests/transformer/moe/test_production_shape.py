@@ -181,6 +181,50 @@ def test_a_partly_written_buffer_is_known_only_where_written():
         assert buf[16:48].view(torch.int64).tolist() == [1, 2, 3, 4]
 
 
+def test_a_large_data_buffer_written_in_part_with_data_keeps_no_value():
+    """A zero-filled floating buffer larger than the values the mode keeps, written in part
+    from data (the HybridEP emulation's dispatch output), drops its value whole rather than
+    materializing it on the host; reading it as a size is refused, as for any data."""
+    from cpu_runtime.production_shape import SMALL_FLOAT
+
+    mode, _ = _mode()
+    with mode:
+        big = torch.zeros(SMALL_FLOAT + 1)
+        big[:4].copy_(torch.randn(4))
+        with pytest.raises(Refused):
+            big[8:10].long().tolist()
+        small = torch.zeros(8)
+        small[:4].copy_(torch.randn(4))
+        assert small[4:].long().tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("mode_kind", ["real", "fake"])
+def test_the_running_live_bytes_total_follows_frees_and_resizes(mode_kind):
+    """:class:`LiveBytes` keeps a running total; it equals the sum over every storage after
+    an op's output dies, a storage is resized to 0 (as megatron frees a checkpoint's output,
+    which reaches no dispatch mode), and an op resizes its ``out``."""
+    import gc
+
+    from cpu_runtime.production_shape import RealRun
+
+    route = Routing(None, num_experts=4, topk=2, rank=0)
+    counter = LiveBytes()
+    mode = RealRun(route, counter) if mode_kind == "real" else ProductionShapeMode(route, counter)
+    with mode:
+        a = torch.zeros(1024)
+        b = a * 2
+        assert counter.live() == counter.exact() == 8192
+        b.untyped_storage().resize_(0)
+        assert counter.live() == counter.exact() == 4096
+        out = torch.empty(0)
+        torch.mul(a, 3, out=out)
+        assert counter.live() == counter.exact() == 8192
+        del a, b, out
+        gc.collect()
+        assert counter.live() == counter.exact() == 0
+    assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_
+
+
 def test_fake_storages_answer_distinct_data_pointers_and_numpy_holds_the_tensor():
     import gc
     import weakref
