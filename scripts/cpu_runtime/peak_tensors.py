@@ -33,7 +33,11 @@ _PACKAGE = "megatron/core/"
 def _site() -> str:
     """The innermost megatron-core frame on the stack, ``path:function`` below megatron/core
     (a function, not a line: the patches move lines, and the two trees are compared)."""
-    frame = sys._getframe(2)
+    return site_of(sys._getframe(2))
+
+
+def site_of(frame) -> str:
+    """:func:`_site` from ``frame`` outwards."""
     while frame is not None:
         code = frame.f_code
         cut = code.co_filename.find(_PACKAGE)

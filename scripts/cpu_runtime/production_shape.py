@@ -31,8 +31,9 @@ the same program at small sizes gives the same trace both ways (the mode's own t
 import contextlib
 import functools
 import os
+import sys
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -196,14 +197,62 @@ class LiveBytes:
         # dict, its innermost megatron-core or emulation line (for the retained bytes' origins).
         self.made_by: Dict[int, str] = {}
         self.made_at: Optional[Dict[int, str]] = None
+        # With ``made_in`` a dict (:meth:`follow_peak`): per storage the call it was made in
+        # (``call``, set by the caller) and its megatron-core function; ``peak_storages`` then
+        # holds, after :meth:`peak_origins`, what was alive at the recording's peak.
+        self.call = 0
+        self.made_in: Optional[Dict[int, Tuple[int, str]]] = None
+        self.peak_storages: Optional[Dict[int, Tuple[int, Optional[Tuple[int, str]]]]] = None
+        self.peak_site = ""
+        self.context: Optional[Callable[[], str]] = None  # added to ``peak_site``
+        self._peak_pending = False
 
     def _gone(self, r, key: int) -> None:
         if self._refs.get(key) is r:
+            if self._peak_pending:
+                self._take_peak()
             del self._refs[key]
             self._total -= self._sizes.pop(key)
             self.made_by.pop(key, None)
             if self.made_at is not None:
                 self.made_at.pop(key, None)
+            if self.made_in is not None:
+                self.made_in.pop(key, None)
+
+    # -- what is alive at the peak --------------------------------------------------------
+    def follow_peak(self) -> None:
+        """From now on note where each new storage is made and keep, for every new peak, the
+        storages alive there: taken when the first byte is freed after it (before anything
+        else can be allocated, as allocations come from ops and each op raises the peak)."""
+        self.made_in = {}
+        self.reset_peak()
+
+    def reset_peak(self) -> None:
+        self.peak = 0
+        self.peak_storages = None
+        self.peak_site = ""
+        self._peak_pending = False
+
+    def _take_peak(self) -> None:
+        made_in = self.made_in or {}
+        self.peak_storages = {k: (n, made_in.get(k)) for k, n in self._sizes.items()}
+        self._peak_pending = False
+
+    def peak_origins(self) -> Dict[str, int]:
+        """The bytes alive at the peak by ``"this call" | "an earlier call"`` and the
+        megatron-core function that made them (:func:`cpu_runtime.peak_tensors.site_of`);
+        they sum to the peak."""
+        if self._peak_pending:
+            self._take_peak()
+        out: Dict[str, int] = {}
+        for n, made in (self.peak_storages or {}).values():
+            if made is None:
+                label = "before the peak was followed (the parameters)"
+            else:
+                when = "this call" if made[0] == self.call else "an earlier call"
+                label = f"{when} | {made[1]}"
+            out[label] = out.get(label, 0) + n
+        return out
 
     def track(self, t: torch.Tensor, op: str = "?") -> None:
         try:
@@ -219,6 +268,8 @@ class LiveBytes:
         if ref is not None:
             if ref() is s:
                 n = s.nbytes()
+                if n < self._sizes[key] and self._peak_pending:
+                    self._take_peak()
                 self._total += n - self._sizes[key]
                 self._sizes[key] = n
                 return
@@ -237,6 +288,10 @@ class LiveBytes:
         self.made_by[key] = op
         if self.made_at is not None:
             self.made_at[key] = _site()
+        if self.made_in is not None:
+            from cpu_runtime.peak_tensors import site_of
+
+            self.made_in[key] = (self.call, site_of(sys._getframe(1)))
 
     @contextlib.contextmanager
     def watching_resizes(self):
@@ -295,6 +350,13 @@ class LiveBytes:
             self.track(t, op)
         if self.recording and outs:  # an op returning no tensor allocates nothing
             live = self.live()
+            if live > self.peak and self.made_in is not None:
+                from cpu_runtime.peak_tensors import site_of
+
+                self._peak_pending = True
+                phase = "backward" if torch._C._current_autograd_node() is not None else "forward"
+                extra = f", {self.context()}" if self.context else ""
+                self.peak_site = f"{op} at {site_of(sys._getframe(1))} ({phase}{extra})"
             self.peak = max(self.peak, live)
             self.trace.append((str(func), live))
             if self.sites is not None:

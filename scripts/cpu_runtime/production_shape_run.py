@@ -288,6 +288,7 @@ def measure_calls(
     dtype: str = "bfloat16",
     mode: str = "fake",
     routing: Optional[Dict[str, Any]] = None,
+    peak_origins: bool = False,
 ) -> Dict[str, Any]:
     """``calls`` forward-backward calls of a decoder of ``layers`` TransformerLayers (megatron's
     TransformerBlock, its layers' attention left out, the MoE layer recomputed) on this rank.
@@ -297,7 +298,10 @@ def measure_calls(
     input, output and gradients are dropped (``held``), ``buffers`` (the communication
     buffers), and ``per_layer``: what dropping each layer's dispatcher state frees after the
     last call, layer by layer, and per attribute in the order dropped
-    (``per_attribute``; :func:`_state_attributes`)."""
+    (``per_attribute``; :func:`_state_attributes`). With ``peak_origins``, per call what was
+    alive at its peak by the call and megatron-core function that made it
+    (``peak_origins``, :meth:`LiveBytes.peak_origins`; they sum to the peak) and the op that
+    reached it (``peak_sites``)."""
     import time
 
     import torch.distributed as dist
@@ -326,9 +330,14 @@ def measure_calls(
         moe = [layer.mlp for layer in block.layers]
         route.attach([m.router for m in moe])
         result["params"] = counter.live()
-        for _ in range(calls):
+        if peak_origins:
+            counter.follow_peak()
+            counter.context = lambda: f"MoE layer {route.layer}'s router ran last"
+            result["peak_origins"], result["peak_sites"] = [], []
+        for call in range(calls):
             t0 = time.monotonic()
-            counter.peak = 0
+            counter.call = call
+            counter.reset_peak()
             counter.recording = True
             x = torch.randn(n, 1, hidden, dtype=config.params_dtype).requires_grad_()
             out = block(x, attention_mask=None)
@@ -340,6 +349,13 @@ def measure_calls(
             gc.collect()
             result["held"].append(counter.live())
             result["peaks"].append(counter.peak)
+            if peak_origins:
+                origins = counter.peak_origins()
+                if sum(origins.values()) != counter.peak:
+                    raise AssertionError(f"peak {counter.peak:,} but {sum(origins.values()):,} "
+                                         "alive at it")  # fmt: skip
+                result["peak_origins"].append(origins)
+                result["peak_sites"].append(counter.peak_site)
             result["seconds"].append(time.monotonic() - t0)
         result["buffers"] = bytes_of(_comm_buffer_tensors())
         per_layer, per_attr = [], []

@@ -57,9 +57,10 @@ NOT_SEEN = (
     "all). Not expressed: CP2 (megatron's context parallelism needs TE attention, and the "
     "attention is left out: the ranks' token counts stand for the CP split), the attention or "
     "GDN layers, embeddings, output layer and loss, LoRA, the optimizer, and unequal token counts "
-    "in one job (the HybridEP emulation's routing-map all-gather needs equal rows per rank, "
-    "emulation_common.all_gather_rows: each rank's figures come from a job with its count on "
-    "both ranks)."
+    "in one job: HybridEP's routing-map all-gather takes each rank's own row count as every "
+    "rank's (deep_ep 94a9f8f executor.cu:33-51, NCCL all_gather_into_tensor or the custom "
+    "all-gather into [N x ranks, E]), and the emulation refuses unequal rows as gloo does, so "
+    "each rank's figures come from a job with its count on both ranks."
 )
 
 SEED_DIFFERENCES = (
@@ -68,10 +69,10 @@ SEED_DIFFERENCES = (
     "token counts in one job, ART's release of three manager fields, CUDA's allocator); its "
     "peaks fall mid-backward where 7 layers' router state and 5 layers' leaf gradients are "
     "alive; this model's peak (full expert weight gradients, no attention) falls where its own "
-    "tensors put it, and which layers' state it holds is not attributed here; the warm peak equals "
-    "the cold one on both trees here, so every layer's dispatch has replaced the previous "
-    "call's state "
-    "before the peak. Not attributed term by term: the seed does not print its terms."
+    "tensors put it (each rank's split above names the op, the layer and the terms); the warm "
+    "peak equals the cold one on both trees here, so every layer's dispatch has replaced the "
+    "previous call's state before the peak. Not attributed term by term: the seed does not "
+    "print its terms."
 )
 
 # Measured attribute (dropped in this order) -> the planner's terms it frees.
@@ -119,7 +120,8 @@ def collect(
     for kind, tree in trees.items():
         for n in sorted(set(tokens)):
             start = time.monotonic()
-            jobs[(kind, n)] = run_calls(tree, 2, timeout=timeout, tokens=n, **shape)
+            jobs[(kind, n)] = run_calls(tree, 2, timeout=timeout, tokens=n, peak_origins=True,
+                                        **shape)  # fmt: skip
             seconds[f"{kind} T={n}"] = time.monotonic() - start
     ranks = []
     for rank, n in enumerate(tokens):
@@ -205,6 +207,95 @@ def explained(row: Dict[str, Any], shape: Dict[str, int]) -> List[tuple]:
     return out
 
 
+def peak_split(row: Dict[str, Any], call: int = -1) -> List[tuple]:
+    """The peak of ``call`` (the warm one by default), base minus patched, by what made the
+    bytes alive at each tree's peak (the call and megatron-core function,
+    :meth:`LiveBytes.peak_origins`): ``(what, base bytes, patched bytes)`` where they differ,
+    largest difference first. They sum to the difference of the peaks."""
+    b = row["base"]["peak_origins"][call]
+    p = row["patched"]["peak_origins"][call]
+    rows = [(k, b.get(k, 0), p.get(k, 0)) for k in sorted(set(b) | set(p))]
+    rows = [r for r in rows if r[1] != r[2]]
+    return sorted(rows, key=lambda r: (-abs(r[1] - r[2]), r[0]))
+
+
+# Where a peak's dispatcher state is made -> the planner's per-layer terms it can be ("handle: *"
+# every handle term together).
+SITE_TERMS = {
+    "megatron/core/transformer/moe/moe_utils.py:topk_routing_with_score_function": (
+        "routing_map [T, E] bool", "token_probs [T, E] fp32"),
+    "megatron/core/transformer/moe/fused_a2a.py:HybridEPDispatch.forward": (
+        "dispatched_probs [P] fp32", "tokens_per_expert [L] int64", "handle: *"),
+    "megatron/core/tensor_parallel/random.py:CheckpointFunction.backward": ("its .grad [T, H]",),
+    # The recomputed layer's input: the checkpoint's leaf is a detached view of it.
+    "megatron/core/transformer/transformer_layer.py:TransformerLayer._forward_pre_mlp_layernorm": (
+        "recompute input leaf [T, H]",),
+}  # fmt: skip
+
+
+def peak_terms(row: Dict[str, Any], shape: Dict[str, int], what: str, diff: int) -> str:
+    """``diff`` (a row of :func:`peak_split`) as whole layers times planner terms of its site:
+    ``"= k layers x (terms) [+ k' layers x (terms')]"`` (layers whose backward has run hold
+    more of a dispatch's state than the others), with the routing's difference from the
+    planner's T x k; "not a whole number ..." where no such sum fits."""
+    import itertools
+
+    site = what.split(" | ", 1)[-1]
+    names = SITE_TERMS.get(site)
+    if not names or diff <= 0:
+        return ""
+    terms = dict(row["planner_base"]["terms"])
+    sizes = {n: sum(v for k, v in terms.items() if k.startswith(n[:-1])) if n.endswith("*")
+             else terms.get(n, 0) for n in names}  # fmt: skip
+    p = routed_rows(row["tokens"], shape, row["rank"])
+    n = row["tokens"] * shape["topk"]
+    subsets = [c for r in range(1, len(names) + 1) for c in itertools.combinations(names, r)]
+
+    def unit(subset):  # planner bytes, measured bytes per layer
+        priced = sum(sizes[t] for t in subset)
+        routed = (p - n) * 4 if "dispatched_probs [P] fp32" in subset else 0
+        return priced, priced + routed
+
+    layers = shape["layers"]
+    for count in (1, 2):
+        for chosen in itertools.combinations(subsets, count):
+            units = [unit(c) for c in chosen]
+            for ks in itertools.product(range(1, layers + 1), repeat=count):
+                if sum(ks) > layers or sum(k * u[1] for k, u in zip(ks, units)) != diff:
+                    continue
+                parts = [f"{k} layer{'s' if k > 1 else ''} x ({' + '.join(c)})"
+                         for k, c in zip(ks, chosen)]  # fmt: skip
+                priced = sum(k * u[0] for k, u in zip(ks, units))
+                text = f"= {' + '.join(parts)}: {priced:,} by the planner"
+                if priced != diff:
+                    text += (f"; P = {p:,} rows routed here, the planner's T x k = {n:,}: "
+                             f"{diff - priced:+,} B")  # fmt: skip
+                return text
+    return "not a whole number of layers' planner terms"
+
+
+def _peak_rows(row: Dict[str, Any], shape: Dict[str, int], shown: int = 8) -> List[str]:
+    if "peak_origins" not in row["base"]:
+        return []
+    split = peak_split(row)
+    lines = [
+        "  warm peak, base - patched, by what made the bytes alive at each peak (they sum to the "
+        "difference):",
+        f"    base's peak after {row['base']['peak_sites'][-1]}",
+        f"    patched's peak after {row['patched']['peak_sites'][-1]}",
+    ]
+    for what, b, p in split[:shown]:
+        lines.append(f"    {b - p:>+16,}  {what} (base {_b(b)}, patched {_b(p)})")
+        terms = peak_terms(row, shape, what, b - p)
+        if terms:
+            lines.append(f"    {'':>16}    {terms}")
+    rest = split[shown:]
+    if rest:
+        lines.append(f"    {sum(b - p for _, b, p in rest):>+16,}  {len(rest)} other origins")
+    lines.append(f"    {sum(b - p for _, b, p in split):>+16,}  in all")
+    return lines
+
+
 def _term_rows(row: Dict[str, Any], shape: Dict[str, int]) -> List[str]:
     lines = []
     for attr, measured, priced, names in term_table(row):
@@ -252,6 +343,7 @@ def render(data: Dict[str, Any], forty: Optional[Dict[str, Any]] = None) -> str:
         out.append(f"  {'cold peak':<30} {_b(cb):>16} {_b(cp):>16} {_b(cb - cp):>16}")
         out.append(f"  {'warm peak':<30} {_b(wb):>16} {_b(wp):>16} {_b(wb - wp):>16}  "
                    f"(the dispatcher's share)")  # fmt: skip
+        out.extend(_peak_rows(row, s))
         out.append("  layer 1, term by term: attribute (dropped in this order)   measured   "
                    "planner   difference")  # fmt: skip
         out.extend(_term_rows(row, s))

@@ -34,6 +34,16 @@ def _check_relations(data):
         assert patched["peaks"][-1] <= base["peaks"][-1]
         # Dropping every layer's state leaves both trees holding the same.
         assert base["after_drop"] == patched["after_drop"]
+        # What is alive at each call's peak, by origin, sums to the peak; at the warm peak the
+        # patched tree holds nothing an earlier call made but the communication buffers.
+        for kind in (base, patched):
+            for peak, origins in zip(kind["peaks"], kind["peak_origins"]):
+                assert sum(origins.values()) == peak
+        earlier = [k for k in patched["peak_origins"][-1] if k.startswith("an earlier call")]
+        assert earlier == ["an earlier call | megatron/core/transformer/moe/fused_a2a.py:"
+                           "init_hybrid_ep_buffer"], earlier  # fmt: skip
+        split = ps.peak_split(row)
+        assert sum(b - p for _, b, p in split) == base["peaks"][-1] - patched["peaks"][-1]
 
 
 def test_tiny_report_table(base_tree, patched_tree):
@@ -43,6 +53,7 @@ def test_tiny_report_table(base_tree, patched_tree):
         assert f"rank {rank} ({n:,} tokens)" in text
     for label in ("memory held between calls", "planner: dispatcher state",
                   "per layer, freed by dispatch", "warm peak", "term by term",
+                  "by what made the bytes alive at each peak",
                   ps.SEED["source"], "40-MoE-layer point", ps.NOT_SEEN):  # fmt: skip
         assert label in text
     _check_relations(data)
@@ -59,6 +70,28 @@ def test_measured_attributes_match_the_planner_terms(base_tree, patched_tree):
         assert ps.explained(row, data["shape"])[-1] == ("not explained", 0)
         # The emulation sizes its buffer from deep_ep's source, the planner from its own terms.
         assert row["base"]["buffers"] == row["planner_base"]["buffer"]
+
+
+def test_the_warm_peak_difference_is_whole_layers_of_planner_terms(base_tree, patched_tree):
+    """Each origin of the warm peak's base - patched difference is whole layers of the
+    planner's terms for that site; a planner term one byte off no longer fits."""
+    import copy
+
+    data = _collect(base_tree, patched_tree, False)
+    for row in data["ranks"]:
+        split = ps.peak_split(row)
+        assert split, row["rank"]
+        for what, b, p in split:
+            assert ps.peak_terms(row, data["shape"], what, b - p).startswith("= "), what
+        wrong = copy.deepcopy(row)
+        wrong["planner_base"]["terms"] = [
+            (name, n + 1 if name.startswith("routing_map") else n)
+            for name, n in row["planner_base"]["terms"]
+        ]
+        router = next(r for r in split if "topk_routing" in r[0])
+        assert ps.peak_terms(wrong, data["shape"], router[0], router[1] - router[2]).startswith(
+            "not a whole number"
+        )
 
 
 @pytest.mark.slow

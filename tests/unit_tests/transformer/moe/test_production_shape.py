@@ -225,6 +225,30 @@ def test_the_running_live_bytes_total_follows_frees_and_resizes(mode_kind):
     assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_
 
 
+def test_the_peak_is_taken_before_its_first_free():
+    """:meth:`LiveBytes.follow_peak`: what is alive at the peak is kept when the first byte is
+    freed after it, with the call each storage was made in; a later lower high does not
+    replace it, and the origins sum to the peak."""
+    mode, _ = _mode()
+    counter = mode.counter
+    with mode:
+        kept = torch.zeros(8)
+        counter.follow_peak()
+        counter.call = 1
+        counter.recording = True
+        a = torch.zeros(100)
+        b = torch.ones(200)
+        del a
+        c = torch.zeros(50)
+        counter.recording = False
+        origins = counter.peak_origins()
+    assert counter.peak == 32 + 400 + 800
+    assert sum(origins.values()) == counter.peak
+    assert origins["before the peak was followed (the parameters)"] == 32
+    assert sum(n for k, n in origins.items() if k.startswith("this call")) == 1200
+    del kept, b, c
+
+
 def test_fake_storages_answer_distinct_data_pointers_and_numpy_holds_the_tensor():
     import gc
     import weakref
