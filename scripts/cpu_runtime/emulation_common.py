@@ -15,7 +15,7 @@ megatron-core is first imported.
 
 import os
 import re
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -178,6 +178,38 @@ def all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:
         group,
         lambda out, src: dist.all_gather_into_tensor(out, src, group=group),
     )
+
+
+_SAME_COUNT_CALLS: Dict[Tuple[int, ...], int] = {}
+
+
+def same_count_on_every_rank(n: int, group, what: str) -> None:
+    """Raise ``ValueError`` naming every rank's count unless all ranks of ``group`` pass the
+    same ``n`` (``what`` says which call needs it and why). Exchanged through the default
+    process group's store (host TCP, no tensor), so no allocator count or dispatch mode sees
+    it; every rank of the group must call it the same number of times, as they do a
+    collective."""
+    if group_size(group) == 1:
+        return
+    ranks = (
+        tuple(dist.get_process_group_ranks(group))
+        if group is not None
+        else tuple(range(dist.get_world_size()))
+    )
+    seq = _SAME_COUNT_CALLS.get(ranks, 0)
+    _SAME_COUNT_CALLS[ranks] = seq + 1
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"moe_release/same_count/{'-'.join(map(str, ranks))}"
+    me = dist.get_rank()
+    store.set(f"{prefix}/{seq}/{me}", str(n))
+    counts = [int(store.get(f"{prefix}/{seq}/{r}")) for r in ranks]
+    if seq >= 2:  # every rank has read it: each set its key of seq - 1 after reading seq - 2
+        store.delete_key(f"{prefix}/{seq - 2}/{me}")
+    if len(set(counts)) > 1:
+        raise ValueError(
+            f"{what}: the ranks of the group pass different counts: "
+            + ", ".join(f"rank {r}: {c}" for r, c in zip(ranks, counts))
+        )
 
 
 def sum_rows(rows: torch.Tensor, index: torch.Tensor, num_out: int, out_dtype) -> torch.Tensor:

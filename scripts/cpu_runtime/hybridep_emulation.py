@@ -188,6 +188,7 @@ from cpu_runtime.emulation_common import (
     group_size,
     kernel_host_sync,
     pinned,
+    same_count_on_every_rank,
     sent_token_ids,
     sum_rows,
 )
@@ -603,6 +604,13 @@ class HybridEPBuffer:
             raise ValueError("num_permuted_tokens is required for non-blocking mode.")
         num_tokens, _ = hidden.shape
         if handle is None:
+            same_count_on_every_rank(
+                num_tokens,
+                self.group,
+                "HybridEP dispatch needs the same number of tokens on every rank: the kernel "
+                "all-gathers each rank's routing map as [N x ranks, E] with its own N (deep_ep "
+                "94a9f8f csrc/hybrid_ep/executor/executor.cu:33-51)",
+            )
             self._grow(num_tokens)
             if routing_map is None:
                 if topk_idx is None or num_of_experts is None:

@@ -59,8 +59,8 @@ NOT_SEEN = (
     "GDN layers, embeddings, output layer and loss, LoRA, the optimizer, and unequal token counts "
     "in one job: HybridEP's routing-map all-gather takes each rank's own row count as every "
     "rank's (deep_ep 94a9f8f executor.cu:33-51, NCCL all_gather_into_tensor or the custom "
-    "all-gather into [N x ranks, E]), and the emulation refuses unequal rows as gloo does, so "
-    "each rank's figures come from a job with its count on both ranks."
+    "all-gather into [N x ranks, E]); the emulation refuses unequal counts, naming each rank's, "
+    "so each rank's figures come from a job with its count on both ranks."
 )
 
 SEED_DIFFERENCES = (

@@ -185,6 +185,22 @@ def hybrid_ep_kernel_checks(emu, verdicts: Verdicts) -> None:
             _check(verdicts, f"{tag}-overflow_tokens", small, exp[:budget])
             _check(verdicts, f"{tag}-overflow_flag", int(small_handle[-1].item()), int(total > 0))
             _check(verdicts, f"{tag}-overflow_tpe_sum", int(small_tpe.sum()), budget)
+    # Unequal token counts, which the kernel's routing-map all-gather cannot take (each rank
+    # reads [N x ranks, E] with its own N): refused on every rank, naming each rank's count.
+    if world > 1:
+        n = tokens + rank
+        try:
+            emu.HybridEPBuffer(group, hidden, n, local).dispatch_with_permute(
+                hidden=torch.zeros(n, hidden),
+                routing_map=torch.zeros(n, world * local, dtype=torch.bool),
+                num_of_experts_per_rank=local,
+            )
+            got = "no error"
+        except ValueError as exc:
+            got = str(exc).rsplit(": the ranks", 1)[-1]
+        counts = ", ".join(f"rank {r}: {tokens + r}" for r in range(world))
+        _check(verdicts, "hybridep-kernel-unequal-tokens", got,
+               f" of the group pass different counts: {counts}")  # fmt: skip
 
 
 def deep_ep_kernel_checks(emu, verdicts: Verdicts) -> None:
