@@ -93,7 +93,8 @@ def _local_moe_submodules(experts: int):
 
 
 def _comm_buffer_tensors() -> List[torch.Tensor]:
-    """The tensors of fused_a2a's communication buffers (the emulations' allocations)."""
+    """The tensors of fused_a2a's communication buffers (the emulations' allocations: held by
+    the buffer object, or by its ``runtime`` as DeepEP v2's window and host workspace)."""
     import sys
 
     from cpu_runtime.compat import held_comm_buffers
@@ -103,9 +104,11 @@ def _comm_buffer_tensors() -> List[torch.Tensor]:
         return []
     out = []
     for buffer in held_comm_buffers(fused_a2a):
-        for value in vars(buffer).values():
-            if isinstance(value, torch.Tensor):
-                out.append(value)
+        runtime = getattr(buffer, "runtime", None)
+        for obj in (buffer, runtime) if runtime is not None else (buffer,):
+            for value in vars(obj).values():
+                if isinstance(value, torch.Tensor):
+                    out.append(value)
     return out
 
 

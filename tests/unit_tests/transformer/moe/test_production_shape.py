@@ -43,6 +43,13 @@ CASES = [
         id="flex-ncclep",
         marks=pytest.mark.flex_backend("ncclep"),
     ),
+    pytest.param(
+        "flex",
+        "deepepv2",
+        (("dtype", "bfloat16"), ("hidden", 256)),  # its combine kernel needs hidden % 256 == 0
+        id="flex-deepepv2",
+        marks=pytest.mark.flex_backend("deepepv2"),
+    ),
 ]
 SMALL = dict(ep=2, tokens=16, layers=2)
 
@@ -279,8 +286,14 @@ PRODUCTION = dict(ep=2, tokens=105153, hidden=2048, experts=256, topk=8, ffn=768
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "dispatcher,backend",
-    [("flex", "hybridep"), ("flex", "deepep"), ("alltoall", None), ("allgather", None)],
-    ids=["flex-hybridep", "flex-deepep", "alltoall", "allgather"],
+    [
+        ("flex", "hybridep"),
+        ("flex", "deepep"),
+        pytest.param("flex", "deepepv2", marks=pytest.mark.flex_backend("deepepv2")),
+        ("alltoall", None),
+        ("allgather", None),
+    ],
+    ids=["flex-hybridep", "flex-deepep", "flex-deepepv2", "alltoall", "allgather"],
 )
 def test_production_shape_retention(patched_tree, base_tree, dispatcher, backend):
     """The unpatched base keeps the dispatcher state after backward; the series keeps none of
