@@ -311,6 +311,42 @@ def _term_rows(row: Dict[str, Any], shape: Dict[str, int]) -> List[str]:
     return lines
 
 
+def _beside_seed(data: Dict[str, Any]) -> List[str]:
+    """The seed's H200 figures beside this run's (the seed has 8 MoE layers: at another depth
+    only that is said)."""
+    out: List[str] = []
+    if data["shape"]["layers"] != SEED_SHAPE["layers"]:
+        return [f"Seed 000 has {SEED_SHAPE['layers']} MoE layers: not compared with this "
+                f"{data['shape']['layers']}-layer run."]  # fmt: skip
+    out.append(f"Beside {SEED['source']}:")
+    last = data["ranks"][-1]
+    drop = _held_parts(last["base"])["held"] - _held_parts(last["patched"])["held"]
+    out.append(f"  rank 1 held between calls: seed {_gb(SEED['held_base_rank1'])} -> "
+               f"{_gb(SEED['held_patched_rank1'])} (-{_gb(SEED['held_base_rank1'] - SEED['held_patched_rank1'])}); "  # noqa: E501
+               f"here -{_gb(drop)}; planner -{_gb(last['planner_base']['total'])}")  # fmt: skip
+    if len(data["ranks"]) > 1:
+        first = data["ranks"][0]
+        d0 = _held_parts(first["base"])["held"] - _held_parts(first["patched"])["held"]
+        out.append(f"  rank 0 held between calls: seed -{_gb(SEED['held_drop_rank0'])}; here "
+                   f"-{_gb(d0)}; planner -{_gb(first['planner_base']['total'])}")  # fmt: skip
+    out.append(f"  rank 1 warm peak: seed -{_gb(SEED['warm_peak_drop_rank1'])}; here "
+               f"-{_gb(last['base']['peaks'][-1] - last['patched']['peaks'][-1])}")  # fmt: skip
+    attrs = {attr: measured for attr, measured, _, _ in term_table(last)}
+    layers = data["shape"]["layers"]
+    setup = layers * sum(
+        attrs.get(f"_HybridEPManager.{a}", 0) for a in ("routing_map", "token_probs")
+    )
+    dispatch = layers * attrs.get("_HybridEPManager.dispatched_probs", 0)
+    out.append(
+        f"  rank 1, where the warm call frees it: seed {_gb(SEED['freed_at_setup_metadata'])} "
+        f"in setup_metadata, here {_gb(setup)} (routing_map + token_probs, x {layers} "
+        f"layers); seed {_gb(SEED['freed_at_dispatch'])} at dispatch, here {_gb(dispatch)} "
+        f"(dispatched_probs, the handle and the recompute leaf + .grad its graph holds)"
+    )
+    out.append(SEED_DIFFERENCES)
+    return out
+
+
 def render(data: Dict[str, Any], forty: Optional[Dict[str, Any]] = None) -> str:
     """The section's text."""
     s, out = data["shape"], []
@@ -348,32 +384,7 @@ def render(data: Dict[str, Any], forty: Optional[Dict[str, Any]] = None) -> str:
                    "planner   difference")  # fmt: skip
         out.extend(_term_rows(row, s))
     out.append("")
-    out.append(f"Beside {SEED['source']}:")
-    last = data["ranks"][-1]
-    drop = _held_parts(last["base"])["held"] - _held_parts(last["patched"])["held"]
-    out.append(f"  rank 1 held between calls: seed {_gb(SEED['held_base_rank1'])} -> "
-               f"{_gb(SEED['held_patched_rank1'])} (-{_gb(SEED['held_base_rank1'] - SEED['held_patched_rank1'])}); "  # noqa: E501
-               f"here -{_gb(drop)}; planner -{_gb(last['planner_base']['total'])}")  # fmt: skip
-    if len(data["ranks"]) > 1:
-        first = data["ranks"][0]
-        d0 = _held_parts(first["base"])["held"] - _held_parts(first["patched"])["held"]
-        out.append(f"  rank 0 held between calls: seed -{_gb(SEED['held_drop_rank0'])}; here "
-                   f"-{_gb(d0)}; planner -{_gb(first['planner_base']['total'])}")  # fmt: skip
-    out.append(f"  rank 1 warm peak: seed -{_gb(SEED['warm_peak_drop_rank1'])}; here "
-               f"-{_gb(last['base']['peaks'][-1] - last['patched']['peaks'][-1])}")  # fmt: skip
-    attrs = {attr: measured for attr, measured, _, _ in term_table(last)}
-    layers = data["shape"]["layers"]
-    setup = layers * sum(
-        attrs.get(f"_HybridEPManager.{a}", 0) for a in ("routing_map", "token_probs")
-    )
-    dispatch = layers * attrs.get("_HybridEPManager.dispatched_probs", 0)
-    out.append(
-        f"  rank 1, where the warm call frees it: seed {_gb(SEED['freed_at_setup_metadata'])} "
-        f"in setup_metadata, here {_gb(setup)} (routing_map + token_probs, x {layers} "
-        f"layers); seed {_gb(SEED['freed_at_dispatch'])} at dispatch, here {_gb(dispatch)} "
-        f"(dispatched_probs, the handle and the recompute leaf + .grad its graph holds)"
-    )
-    out.append(SEED_DIFFERENCES)
+    out.extend(_beside_seed(data))
     if forty:
         out.append("")
         out.append(forty["text"])
@@ -388,6 +399,8 @@ def forty_layer_point(data: Dict[str, Any], layers: int = 40) -> Dict[str, Any]:
     """The ``layers``-MoE-layer point by per-layer scaling of the measured run (every layer's
     state is the same size, so the held state is per layer x layers), beside the planner's
     estimate at that depth."""
+    if data["shape"]["layers"] == layers:
+        return {"layers": layers, "text": f"{layers}-MoE-layer point: this run (above)."}
     lines = [f"{layers}-MoE-layer point (per-layer scaling of the {data['shape']['layers']}-layer "
              f"run, not a {layers}-layer run):"]  # fmt: skip
     for row in data["ranks"]:

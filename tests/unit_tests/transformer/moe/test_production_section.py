@@ -54,8 +54,15 @@ def test_tiny_report_table(base_tree, patched_tree):
     for label in ("memory held between calls", "planner: dispatcher state",
                   "per layer, freed by dispatch", "warm peak", "term by term",
                   "by what made the bytes alive at each peak",
-                  ps.SEED["source"], "40-MoE-layer point", ps.NOT_SEEN):  # fmt: skip
+                  "Seed 000 has 8 MoE layers: not compared with this 2-layer run",
+                  "40-MoE-layer point (per-layer scaling", ps.NOT_SEEN):  # fmt: skip
         assert label in text
+    # At the seed's depth the seed's figures are printed beside; at 40 layers the point is the
+    # run itself.
+    eight = dict(data, shape=dict(data["shape"], layers=8))
+    assert ps.SEED["source"] in ps.render(eight)
+    forty = dict(data, shape=dict(data["shape"], layers=40))
+    assert ps.forty_layer_point(forty)["text"] == "40-MoE-layer point: this run (above)."
     _check_relations(data)
 
 
