@@ -42,48 +42,27 @@ def layer_config(
     dtype: str = "float32",
     tp: int = 1,
 ):
-    """The TransformerConfig of the measured layers: local (non-TE) modules, fp32 router, no
-    auxiliary loss; the flex dispatcher with ``backend``, or ``alltoall``/``allgather``."""
+    """The TransformerConfig of the measured layers: :func:`cpu_runtime.moe_harness.moe_config`
+    (local, non-TE modules, fp32 router, no auxiliary loss) with the flex dispatcher on
+    ``backend``, or ``alltoall``/``allgather``; ``recompute`` is ``moe_layer_recompute``."""
+    import dataclasses
+
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    params_dtype = getattr(torch, dtype)
-    kwargs = dict(
-        num_layers=num_layers,
-        hidden_size=hidden,
-        num_attention_heads=4,
-        ffn_hidden_size=ffn,
-        moe_ffn_hidden_size=ffn,
-        num_moe_experts=experts,
-        moe_router_topk=topk,
-        moe_token_dispatcher_type=dispatcher,
-        moe_router_dtype="fp32",
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        moe_grouped_gemm=False,
-        moe_permute_fusion=False,
-        moe_router_fusion=False,
-        use_cpu_initialization=True,
-        add_bias_linear=False,
-        bias_activation_fusion=False,
-        gradient_accumulation_fusion=False,
-        expert_model_parallel_size=ep,
-        moe_layer_recompute=recompute,
-        params_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    if tp > 1:
-        kwargs.update(tensor_model_parallel_size=tp, sequence_parallel=True)
-    if dispatcher == "flex":
-        kwargs["moe_flex_dispatcher_backend"] = backend
-        if backend == "ncclep":
-            import dataclasses
+    from cpu_runtime.moe_harness import moe_config
 
-            fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-            if "moe_ncclep_static_shape" in fields:
-                kwargs["moe_expert_rank_capacity_factor"] = 2.0
-    return TransformerConfig(**kwargs)
+    fields = {f.name: f for f in dataclasses.fields(TransformerConfig)}
+    overrides: Dict[str, Any] = dict(num_attention_heads=4, moe_layer_recompute=recompute)
+    if dispatcher != "flex":
+        overrides["moe_token_dispatcher_type"] = dispatcher
+        backend = fields["moe_flex_dispatcher_backend"].default  # unused off the flex dispatcher
+    if tp > 1:
+        overrides.update(tensor_model_parallel_size=tp, sequence_parallel=True)
+    if dispatcher == "flex" and backend == "ncclep" and "moe_ncclep_static_shape" in fields:
+        overrides["moe_expert_rank_capacity_factor"] = 2.0
+    return moe_config(backend, ep, num_experts=experts, topk=topk, hidden=hidden, ffn=ffn,
+                      dtype=getattr(torch, dtype), num_layers=num_layers,
+                      **overrides)  # fmt: skip
 
 
 def _local_moe_submodules(experts: int):
