@@ -422,28 +422,40 @@ def compare_traces(real: List[Tuple[str, int]], fake: List[Tuple[str, int]]) -> 
 # The real twin
 
 
-class RealRun(TorchDispatchMode):
-    """Real tensors with the policy's routing and the same counter: the reference run. With
-    ``record`` and no policy, the router's own top-k runs and its indices are recorded by
-    (rank, layer) (:class:`RecordedRouting`)."""
+class _CountingMode(TorchDispatchMode):
+    """A dispatch mode that counts live bytes with ``counter`` and, while entered, holds the
+    context managers :meth:`_contexts` gives (the counter's resize watch; a subclass adds)."""
 
-    def __init__(self, routing: Routing, counter: LiveBytes, record: bool = False) -> None:
+    def __init__(self, routing: Routing, counter: LiveBytes) -> None:
         super().__init__()
         self.routing = routing
         self.counter = counter
-        self.record = record
-        self._resizes = None
+        self._stack = contextlib.ExitStack()
+
+    def _contexts(self) -> List[Any]:
+        return [self.counter.watching_resizes()]
 
     def __enter__(self):
-        self._resizes = self.counter.watching_resizes()
-        self._resizes.__enter__()
+        self._stack.__enter__()
+        for context in self._contexts():
+            self._stack.enter_context(context)
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            self._resizes.__exit__(*exc)
+            self._stack.__exit__(*exc)
+
+
+class RealRun(_CountingMode):
+    """Real tensors with the policy's routing and the same counter: the reference run. With
+    ``record`` and no policy, the router's own top-k runs and its indices are recorded by
+    (rank, layer) (:class:`RecordedRouting`)."""
+
+    def __init__(self, routing: Routing, counter: LiveBytes, record: bool = False) -> None:
+        super().__init__(routing, counter)
+        self.record = record
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -645,11 +657,8 @@ class _Values:
                 return
             self._materialize(entry, t.untyped_storage().nbytes())
         base, mask = entry[1], entry[2]
-        if _covers(t):
-            if known:
-                entry[2] = None
-            else:
-                self.forget(t, why)
+        if _covers(t):  # known: an unknown write that covers the storage was forgotten above
+            entry[2] = None
             return
         if mask is None:
             if known:
@@ -687,8 +696,7 @@ def _why(reason: str) -> str:
 
 def _wants_value_of_storage(t: torch.Tensor) -> bool:
     """:func:`_wants_value` of ``t``'s whole storage, read as ``t.dtype``."""
-    floating = t.dtype.is_floating_point or t.dtype.is_complex
-    return not floating or t.untyped_storage().nbytes() // t.element_size() <= SMALL_FLOAT
+    return _keeps_value(t.dtype, t.untyped_storage().nbytes() // t.element_size())
 
 
 def _is_fake(t) -> bool:
@@ -706,10 +714,16 @@ def _writes(func) -> Tuple[int, ...]:
 
 
 def _wants_value(t: torch.Tensor) -> bool:
-    return not (t.dtype.is_floating_point or t.dtype.is_complex) or t.numel() <= SMALL_FLOAT
+    return _keeps_value(t.dtype, t.numel())
 
 
-class ProductionShapeMode(TorchDispatchMode):
+def _keeps_value(dtype: torch.dtype, numel: int) -> bool:
+    """Values are kept for integers and masks, and for floating tensors of at most
+    ``SMALL_FLOAT`` elements (data above that never becomes a size)."""
+    return not (dtype.is_floating_point or dtype.is_complex) or numel <= SMALL_FLOAT
+
+
+class ProductionShapeMode(_CountingMode):
     """Fake tensors for data, real values for the routing; refuses what it cannot follow.
 
     ``mis_size`` (tests only) seeds a wrong size: ``(op name, occurrence)`` gives that call's
@@ -721,31 +735,16 @@ class ProductionShapeMode(TorchDispatchMode):
         counter: LiveBytes,
         mis_size: Optional[Tuple[str, int]] = None,
     ) -> None:
-        super().__init__()
-        self.routing = routing
-        self.counter = counter
+        super().__init__(routing, counter)
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
         self.values = _Values()
         self.mis_size = mis_size
         self._calls: Dict[str, int] = {}
-        self._stack = contextlib.ExitStack()
 
     # -- entering: the host-read functions and the collectives -----------------------------
-    def __enter__(self):
-        self._stack.__enter__()
-        self._stack.enter_context(_HostReads(self))
-        self._stack.enter_context(_fake_tolist(self))
-        self._stack.enter_context(_fake_numpy(self))
-        self._stack.enter_context(_fake_data_ptr())
-        self._stack.enter_context(_emulation_host_staging())
-        self._stack.enter_context(self.counter.watching_resizes())
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        try:
-            return super().__exit__(*exc)
-        finally:
-            self._stack.__exit__(*exc)
+    def _contexts(self) -> List[Any]:
+        return [_HostReads(self), _fake_tolist(self), _fake_numpy(self), _fake_data_ptr(),
+                _emulation_host_staging(), *super()._contexts()]  # fmt: skip
 
     def value(self, t: torch.Tensor, reader: str) -> torch.Tensor:
         """``t``'s value, or :class:`Refused` naming ``reader`` and why it has none."""

@@ -65,12 +65,6 @@ def layer_config(
                       **overrides)  # fmt: skip
 
 
-def _local_moe_submodules(experts: int):
-    from cpu_runtime.moe_harness import local_moe_submodules
-
-    return local_moe_submodules(experts)
-
-
 def _comm_buffer_tensors() -> List[torch.Tensor]:
     """The tensors of fused_a2a's communication buffers (the emulations' allocations: held by
     the buffer object, or by its ``runtime`` as DeepEP v2's window and host workspace)."""
@@ -119,7 +113,7 @@ def measure(
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from cpu_runtime import placement
-    from cpu_runtime.moe_harness import init_megatron, on_device
+    from cpu_runtime.moe_harness import init_megatron, local_moe_submodules, on_device
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}")
@@ -144,7 +138,7 @@ def measure(
     with ctx:
         stack = []
         for i in range(layers):
-            layer = on_device(MoELayer(config, _local_moe_submodules(experts)))
+            layer = on_device(MoELayer(config, local_moe_submodules(experts)))
             layer.set_layer_number(i + 1)
             layer.train()
             stack.append(layer)

@@ -318,7 +318,7 @@ def measure_origins(
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from cpu_runtime import placement
-    from cpu_runtime.moe_harness import init_megatron, on_device
+    from cpu_runtime.moe_harness import init_megatron, local_moe_submodules, on_device
     from cpu_runtime.production_shape import (
         LiveBytes,
         ProductionShapeMode,
@@ -330,7 +330,6 @@ def measure_origins(
     from cpu_runtime.production_shape_run import (
         MODES,
         _comm_buffer_tensors,
-        _local_moe_submodules,
         layer_config,
     )
 
@@ -354,7 +353,7 @@ def measure_origins(
     with ctx:
         stack = []
         for i in range(layers):
-            layer = on_device(MoELayer(config, _local_moe_submodules(experts)))
+            layer = on_device(MoELayer(config, local_moe_submodules(experts)))
             layer.set_layer_number(i + 1)
             layer.train()
             stack.append(layer)

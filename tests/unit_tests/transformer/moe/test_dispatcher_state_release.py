@@ -168,7 +168,7 @@ def _build_layers(dispatcher, backend, ep, num_layers=NUM_LAYERS, recompute="non
 
         kwargs["attention_backend"] = AttnBackend[kwargs["attention_backend"]]
     config = TransformerConfig(**kwargs)
-    submodules = _local_moe_submodules()
+    submodules = moe_harness.local_moe_submodules(4)
     torch.manual_seed(4321)
     layers = []
     for i in range(num_layers):
@@ -177,13 +177,6 @@ def _build_layers(dispatcher, backend, ep, num_layers=NUM_LAYERS, recompute="non
         layer.train()
         layers.append(layer)
     return layers
-
-
-def _local_moe_submodules():
-    """The MoESubmodules of megatron-core's local (non-TE) GPT layer spec."""
-    from cpu_runtime import moe_harness
-
-    return moe_harness.local_moe_submodules(4)
 
 
 def _run_stack(layers, x, recompute):
