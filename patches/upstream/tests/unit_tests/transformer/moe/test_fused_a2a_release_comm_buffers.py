@@ -1,28 +1,30 @@
 # Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
 
 """The flex dispatcher's communication buffers have a lifecycle: released collectively by
-fused_a2a.reset_fused_a2a_buffers(), DeepEP's destroyed explicitly, NCCL EP's context released
-with them (HybridEP's buffer per process group: test_hybrid_ep_buffer_per_group.py).
+fused_a2a.reset_fused_a2a_buffers(), without waiting on any peer by destroy_model_parallel(),
+DeepEP's destroyed explicitly, NCCL EP's context released with them (HybridEP's buffer per
+process group: test_hybrid_ep_buffer_per_group.py).
 
 The HybridEP and DeepEP buffers are module globals allocated outside PyTorch's caching
 allocator, so torch.cuda.empty_cache() cannot return their memory:
 
-* reset_fused_a2a_buffers() drops them (destroy_model_parallel() calls it): after a barrier on
-  every buffer's group, and not while a CUDA graph that captured a dispatch may still replay
-  (unless graphs_released=True); the next dispatch re-creates the buffer it needs and gives the
-  same results.
-* DeepEP's buffer is built with explicitly_destroy where deep_ep supports it and destroyed at
-  known points: before get_buffer() allocates a larger replacement, and on release.
+* reset_fused_a2a_buffers() frees them after a barrier on every buffer's group (in one order on
+  every rank), not while a CUDA graph that captured a dispatch may still replay (unless
+  graphs_released=True); the next dispatch re-creates the buffer it needs and gives the same
+  results.
+* destroy_model_parallel() waits on no peer: it drops the HybridEP buffers and takes DeepEP's
+  out of use; the next dispatch destroys it (collective) before allocating its replacement.
+* DeepEP's buffer is built with explicitly_destroy where deep_ep supports it and destroyed only
+  where every rank of its group arrives together.
 * NCCL EP's process-wide context (TransformerEngine serves one EP group per process) is
-  released by the same call, and a model on another EP group is refused until then instead of
-  dispatching over the bootstrapped group's communicator.
+  released by the collective call, and a model on another EP group is refused until then
+  instead of dispatching over the bootstrapped group's communicator.
 """
 
 import copy
 import functools
 import gc
 import inspect
-import logging
 import time
 import weakref
 
@@ -61,10 +63,14 @@ def _held_buffer(backend: str):
     if backend == "ncclep":
         return _nccl_ep_group()
     if backend == "hybridep":
-        buffers = list(fused_a2a._hybrid_ep_buffers.values())
-        assert len(buffers) <= 1, f"{len(buffers)} HybridEP buffers for one EP group"
-        return buffers[0] if buffers else None
+        return fused_a2a.get_hybrid_ep_buffer(None)  # the only one; raises if there are several
     return fused_a2a._buffer
+
+
+def _held_buffers() -> list:
+    """Every HybridEP buffer and the DeepEP buffer this rank holds in use."""
+    held = [fused_a2a._hybrid_ep_buffer, *fused_a2a._hybrid_ep_buffers.values(), fused_a2a._buffer]
+    return [b for b in held if b is not None]
 
 
 class _CapturingCuda:
@@ -92,31 +98,11 @@ class _CapturingTorch:
         return getattr(torch, name)
 
 
-class _CompletedWork:
-    """What torch.distributed.barrier(async_op=True) returns once every peer arrived."""
-
-    def is_completed(self) -> bool:
-        return True
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-
-class _PendingWork(_CompletedWork):
-    """A barrier whose peers never arrive."""
-
-    def is_completed(self) -> bool:
-        return False
-
-    def wait(self, timeout=None) -> bool:
-        raise AssertionError("waited for a barrier that cannot complete")
-
-
 def test_reset_fused_a2a_buffers_is_idempotent_without_buffers():
     """Safe before any dispatch, and any number of times."""
     fused_a2a.reset_fused_a2a_buffers()
     fused_a2a.reset_fused_a2a_buffers()
-    assert not fused_a2a._hybrid_ep_buffers
+    assert fused_a2a.get_hybrid_ep_buffer(None) is None
     assert fused_a2a._buffer is None
 
 
@@ -227,15 +213,14 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
         """reset_fused_a2a_buffers() is collective: it runs a barrier on every held buffer's
         group while all of them are still held, then frees them."""
         group_a, group_b = self._hold_buffers_on_two_groups()
-        held = [*fused_a2a._hybrid_ep_buffers.values(), fused_a2a._buffer]
-        held = [b for b in held if b is not None]
+        held = _held_buffers()
         groups = {"A": group_a, "B": group_b}
         groups = {k: g for k, g in groups.items() if any(b.group is g for b in held)}
         refs = [weakref.ref(b) for b in held]
         del held
 
         def still_held() -> int:
-            return len(fused_a2a._hybrid_ep_buffers) + (fused_a2a._buffer is not None)
+            return len(_held_buffers())
 
         barriers = []
         real_barrier = torch.distributed.barrier
@@ -267,15 +252,17 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
             pytest.skip("needs HybridEP (a buffer per group)")
         self._hold_buffers_on_two_groups()
         rank = torch.distributed.get_rank()
-        if rank % 2:
-            buffers = fused_a2a._hybrid_ep_buffers
-            first = next(iter(buffers))
-            buffers[first] = buffers.pop(first)
+        if rank % 2:  # the other group's buffer in the module global, this one's beside it
+            first = fused_a2a._hybrid_ep_buffer
+            ((group, second),) = fused_a2a._hybrid_ep_buffers.items()
+            fused_a2a._hybrid_ep_buffer = second
+            fused_a2a._hybrid_ep_buffers.clear()
+            fused_a2a._hybrid_ep_buffers[first.group] = first
+            del first, second
         barriers = []
 
         def recording_barrier(group=None, async_op=False, **kwargs):
             barriers.append(group)
-            return _CompletedWork() if async_op else None
 
         with monkeypatch.context() as m:
             m.setattr(torch.distributed, "barrier", recording_barrier)
@@ -287,64 +274,49 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
-    def test_destroy_model_parallel_bounds_its_wait(self, monkeypatch, caplog):
-        """A peer that never reaches the release (stuck in a collective, or a test that failed
-        on its rank) does not hang destroy_model_parallel(): it gives up at its bound, takes the
-        buffers out of use without freeing them, and logs why."""
+    def test_destroy_model_parallel_waits_on_no_peer(self, monkeypatch):
+        """destroy_model_parallel() runs no collective for the buffers, so a peer that never
+        reaches the teardown (stuck in a collective, or a test that failed on its rank) cannot
+        hold it: the HybridEP buffers are dropped and the DeepEP buffer taken out of use, not
+        destroyed (its destroy() synchronizes with the peers)."""
         Utils.initialize_model_parallel(expert_model_parallel_size=4)
+        events = self._record_deep_ep_buffers(monkeypatch) if fused_a2a.HAVE_DEEP_EP else []
         self._hold_buffers(parallel_state.get_expert_model_parallel_group())
-        held = [*fused_a2a._hybrid_ep_buffers.values(), fused_a2a._buffer]
-        refs = [weakref.ref(b) for b in held if b is not None]
-        del held
+        refs = [weakref.ref(b) for b in _held_buffers()]
 
-        def barrier_never_met(group=None, async_op=False, **kwargs):
-            assert async_op, "an unbounded barrier: a peer that never arrives hangs it"
-            return _PendingWork()
+        def no_barrier(*args, **kwargs):
+            raise AssertionError("destroy_model_parallel() waited for its peers")
 
         with monkeypatch.context() as m:
-            m.setattr(torch.distributed, "barrier", barrier_never_met)
-            m.setattr(parallel_state, "_COMM_BUFFER_RELEASE_TIMEOUT", 1.0, raising=False)
+            m.setattr(torch.distributed, "barrier", no_barrier)
             start = time.monotonic()
             parallel_state.destroy_model_parallel()
             elapsed = time.monotonic() - start
         Utils.inited = False  # torn down here, without Utils' barrier
         gc.collect()
-        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-        assert any("TimeoutError" in w for w in warnings), f"logged no warning: {warnings}"
         assert elapsed < 10.0, f"destroy_model_parallel() took {elapsed:.1f} s"
-        # Out of use, but kept alive and unfreed: freeing one could free memory a peer's kernels
-        # still write, and its destructor would wait for the device or the peers.
-        assert not fused_a2a._hybrid_ep_buffers and fused_a2a._buffer is None
-        parked = fused_a2a._abandoned_comm_buffers
-        assert refs and all(any(r() is b for b in parked) for r in refs), "buffers freed"
-        parked.clear()
+        assert not _held_buffers() and refs, "a buffer is still in use after the teardown"
+        assert "destroy 0" not in events, f"the teardown destroyed the DeepEP buffer: {events}"
+        fused_a2a.reset_deep_ep_buffer()  # every peer is here in this test
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
-    def test_destroy_model_parallel_leaves_nccl_ep_after_a_failed_wait(self, monkeypatch, caplog):
-        """After a wait that gave up on a peer, destroy_model_parallel() does not finalize NCCL
-        EP: TransformerEngine's ep_finalize deregisters symmetric memory and destroys NCCL EP's
-        group, which waits for that peer too. The context is left as it is, with a warning."""
-        skip_unless("ncclep")
+    def test_next_dispatch_destroys_what_the_teardown_left(self, monkeypatch):
+        """The DeepEP buffer a teardown took out of use is destroyed by the next dispatch, on the
+        new groups, before its replacement is allocated: a re-initialization (or an in-process
+        restart) never holds two."""
+        skip_unless("deepep")
         Utils.initialize_model_parallel(expert_model_parallel_size=8)
-        forward_backward(build_moe_layer("ncclep"), make_input())
-        assert _nccl_ep_group() is not None, "no NCCL EP context after a dispatch"
-        finalized = []
-
-        def barrier_never_met(group=None, async_op=False, **kwargs):
-            assert async_op, "an unbounded barrier: a peer that never arrives hangs it"
-            return _PendingWork()
-
-        with monkeypatch.context() as m:
-            m.setattr(torch.distributed, "barrier", barrier_never_met)
-            m.setattr(fused_a2a.te_ep, "ep_finalize", lambda: finalized.append(True))
-            m.setattr(parallel_state, "_COMM_BUFFER_RELEASE_TIMEOUT", 1.0, raising=False)
-            parallel_state.destroy_model_parallel()
-        Utils.inited = False  # torn down here, without Utils' barrier
-        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-        assert any("TimeoutError" in w for w in warnings), f"logged no warning: {warnings}"
-        assert not finalized, "finalized NCCL EP after a failed wait"
-        fused_a2a.nccl_ep_finalize()  # every peer is here in this test
+        events = self._record_deep_ep_buffers(monkeypatch)
+        fused_a2a.get_buffer(parallel_state.get_expert_model_parallel_group(), HIDDEN_SIZE)
+        Utils.destroy_model_parallel()
+        assert events == ["create 0"], events
+        Utils.initialize_model_parallel(expert_model_parallel_size=8)
+        fused_a2a.get_buffer(parallel_state.get_expert_model_parallel_group(), HIDDEN_SIZE)
+        want = ["create 0", "destroy 0", "create 1"]
+        if not self._explicitly_destroy_supported():  # dropped: its destructor destroys it
+            want = ["create 0", "create 1"]
+        assert events == want, f"the buffer the teardown left, before its replacement: {events}"
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
@@ -459,11 +431,10 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
-    def test_deep_ep_v2_buffers_are_destroyed_by_the_release_not_at_exit(self):
-        """DeepEP v2's ElasticBuffers (where the branch has them): no finalizer is one that
-        Python's exit runs on its own (it would run the collective destroy() after an uncaught
-        exception too), and reset_fused_a2a_buffers() destroys every v2 buffer still alive,
-        also one the dispatcher's manager still references."""
+    def test_deep_ep_v2_buffers_are_destroyed_by_the_release(self):
+        """DeepEP v2's ElasticBuffers (where the branch has them): reset_fused_a2a_buffers()
+        destroys every v2 buffer still alive, also one the dispatcher's manager still
+        references."""
         if not getattr(fused_a2a, "HAVE_DEEP_EP_V2", False):
             pytest.skip("Deep EP v2 is not available")
         Utils.initialize_model_parallel(expert_model_parallel_size=8)
@@ -471,8 +442,6 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
         forward_backward(layer, make_input())
         buffer = fused_a2a._elastic_buffer
         assert buffer is not None, "no DeepEP v2 buffer after a dispatch"
-        finalizers = getattr(fused_a2a, "_elastic_buffer_finalizers", {}).values()
-        assert not any(f.atexit for f in finalizers), "a DeepEP v2 finalizer runs at exit"
         fused_a2a.reset_fused_a2a_buffers()
         assert fused_a2a._elastic_buffer is None
         # ElasticBuffer.destroy() drops its runtime (deep_ep/buffers/elastic.py); the layer's

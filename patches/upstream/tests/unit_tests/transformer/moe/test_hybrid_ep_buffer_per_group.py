@@ -1,10 +1,11 @@
 # Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
 
-"""HybridEP keeps one communication buffer per process group (fused_a2a._hybrid_ep_buffers), and
-every backward runs on its forward's buffer, so two models on different EP groups (an RL policy
-and its reference model) can interleave their forwards and backwards. The module global
-fused_a2a._hybrid_ep_buffer still names the first group's buffer, as code outside megatron-core
-reads and assigns it.
+"""HybridEP keeps one communication buffer per process group (fused_a2a.get_hybrid_ep_buffer and
+set_hybrid_ep_buffer), and every backward runs on its forward's buffer, so two models on
+different EP groups (an RL policy and its reference model) can interleave their forwards and
+backwards. The module global fused_a2a._hybrid_ep_buffer still holds the first group's buffer,
+as code outside megatron-core reads and assigns it. A buffer lives as long as its group: a
+re-initialization of model parallelism keeps no buffer of the groups it replaced.
 
 The helpers here (a small bf16 MoELayer on the flex dispatcher whose experts are seeded by their
 global index, so that a token sent to the wrong rank changes the result) are shared with
@@ -13,6 +14,7 @@ test_fused_a2a_release_comm_buffers.py.
 
 import copy
 import dataclasses
+import weakref
 
 import pytest
 import torch
@@ -212,10 +214,12 @@ class TestHybridEPBufferPerGroup(TwoEPGroups):
         # The flex dispatcher communicates over its TPxEP group (with TP 1, the EP ranks).
         groups = {layer.token_dispatcher.tp_ep_group for layer in layers.values()}
         assert len(groups) == 2
-        buffers = fused_a2a._hybrid_ep_buffers
-        assert (
-            set(buffers) == groups
-        ), f"{len(buffers)} HybridEP buffers, not one for each of the two layers' groups"
+        buffers = [fused_a2a._hybrid_ep_buffer, *fused_a2a._hybrid_ep_buffers.values()]
+        buffers = [b for b in buffers if b is not None]
+        assert {b.group for b in buffers} == groups and len(
+            buffers
+        ) == 2, f"{len(buffers)} HybridEP buffers, not one for each of the two layers' groups"
+        assert all(fused_a2a.get_hybrid_ep_buffer(g).group is g for g in groups)
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
@@ -246,3 +250,30 @@ class TestHybridEPBufferPerGroup(TwoEPGroups):
         fused_a2a._hybrid_ep_buffer = saved
         forward_backward(layer, make_input())
         assert used[-1] is saved
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+    @pytest.mark.internal
+    def test_hybridep_reinitialization_keeps_no_buffer_of_old_groups(self, monkeypatch):
+        """Model parallelism initialized, a step, torn down, five times over (as tests that
+        re-initialize per test do): each round's dispatch runs on a buffer of its own groups,
+        and no buffer of an earlier round's groups stays alive."""
+        skip_unless("hybridep")
+        made = []
+
+        class RecordingBuffer(fused_a2a.HybridEPBuffer):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                made.append(weakref.ref(self))
+
+        monkeypatch.setattr(fused_a2a, "HybridEPBuffer", RecordingBuffer)
+        for round in range(5):
+            Utils.initialize_model_parallel(expert_model_parallel_size=8)
+            layer = build_moe_layer("hybridep")
+            forward_backward(layer, make_input())
+            group = layer.token_dispatcher.tp_ep_group
+            alive = [r() for r in made if r() is not None]
+            assert [b.group for b in alive] == [
+                group
+            ], f"round {round}: {len(alive)} HybridEP buffers alive, not one of this round's group"
+            del layer, alive
+            Utils.destroy_model_parallel()
