@@ -1,7 +1,8 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
 """DeepEP v2's ElasticBuffer (dev's ``deepepv2`` flex backend) outlives every backward that
-still uses it, and is freed once none does, or by the collective release.
+still uses it, and is destroyed at the first dispatch after the last one, or by the collective
+release.
 
 ``DeepepV2Dispatch`` and ``DeepepV2Combine`` keep their forward's buffer in the autograd ctx and
 dispatch or combine on it in their backward, while ``get_elastic_buffer()`` replaces the buffer
@@ -82,6 +83,9 @@ def rank_pending_backward():
     del pending, x, y
     gc.collect()
     out["held"]["backwards done"] = _live_v2_bytes()
+    with torch.no_grad():  # the next dispatch, which no backward follows
+        layer(inputs[0])
+    out["held"]["next dispatch"] = _live_v2_bytes()
     fused_a2a.reset_fused_a2a_buffers()
     gc.collect()
     out["held"]["released"] = _live_v2_bytes()
@@ -99,17 +103,20 @@ def rank_pending_backward():
 def test_a_replaced_buffer_serves_its_pending_backward(dist_job, patched_tree):
     """Two forwards of 8 and 16 tokens, then their backwards: the first backward runs on the
     buffer its forward used (replaced, not destroyed), bitwise as if each backward had followed
-    its forward; that buffer is freed once its graph is gone, and the release frees the rest.
-    On dev's series before the fix the first backward raised on the destroyed buffer."""
+    its forward; that buffer is destroyed at the first dispatch after its backward (every rank
+    counts the same backwards, no finalizer), and the release frees the rest. On dev's series
+    before the fix the first backward raised on the destroyed buffer."""
     for rank, res in enumerate(dist_job(f"{THIS}:rank_pending_backward", 2, patched_tree)):
         assert res["error"] is None, f"rank {rank}: {res['error']}"
         assert res["replaced"], rank
         for (y, g), (ry, rg) in zip(res["pending"], res["in_order"]):
             assert torch.equal(y, ry) and torch.equal(g, rg), rank
         held = res["held"]
-        # Both buffers while the first backward may still need the replaced one; then only the
-        # current one; nothing after the release; one buffer again for the in-order steps.
-        assert held["both forwards"] > held["backwards done"] == res["one_buffer"] > 0, held
+        # Both buffers while the first backward may still need the replaced one, until the next
+        # dispatch; then only the current one; nothing after the release; one buffer again for
+        # the in-order steps.
+        assert held["both forwards"] == held["backwards done"] > held["next dispatch"], held
+        assert held["next dispatch"] == res["one_buffer"] > 0, held
         assert held["released"] == 0, held
 
 
@@ -178,3 +185,47 @@ def test_pipeline_warmup_with_growing_microbatches(dist_job, patched_tree, base_
         assert all(torch.equal(p, q) for p, q in zip(a["losses"], b["losses"])), rank
         assert a["grads"].keys() == b["grads"].keys() and a["grads"], rank
         assert all(torch.equal(a["grads"][n], b["grads"][n]) for n in a["grads"]), rank
+
+
+def rank_one_rank_raises_with_a_backward_pending():
+    """Rank side: forwards of 8 then 16 tokens (the buffer is replaced while the first
+    backward is pending), then rank 1 fails: its handler drops the graphs, and so the last
+    references to the replaced buffer. Then both ranks meet in a barrier on the world. Did
+    anything destroy (a collective) the replaced buffer on rank 1 alone?"""
+    from cpu_runtime.moe_harness import init_megatron
+    from megatron.core.transformer.moe import fused_a2a
+    from tests.unit_tests.transformer.moe import moe_cpu_harness as harness
+
+    init_megatron(ep=dist.get_world_size())
+    layer = _layer(dist.get_world_size())
+    rank = dist.get_rank()
+    pending = []
+    for n in (8, 16):
+        x = harness.seeded((n, 1, HIDDEN), 40 + n + rank, torch.bfloat16).requires_grad_()
+        pending.append(layer(x)[0])
+        if n == 8:
+            runtime = fused_a2a._elastic_buffer.runtime
+    if rank == 1:
+        try:
+            raise RuntimeError("a failure on this rank")
+        except RuntimeError:
+            del pending
+            gc.collect()
+    out = {"destroyed_alone": rank == 1 and runtime.destroyed}
+    dist.barrier()
+    pending = None
+    fused_a2a.reset_fused_a2a_buffers()
+    return out
+
+
+def test_one_rank_failing_with_a_backward_pending_destroys_nothing_alone(dist_job, patched_tree):
+    """A replaced buffer whose pending backward is dropped by one failing rank is not destroyed
+    there: destroy() is collective, and its peer is elsewhere (here in a barrier on the world).
+    The dev series at 9ee7333 destroyed it from a weakref.finalize on that rank alone, and the
+    two ranks deadlocked; the unpatched dev branch does the same through ~ElasticBuffer."""
+    for rank, out in enumerate(
+        dist_job(
+            f"{THIS}:rank_one_rank_raises_with_a_backward_pending", 2, patched_tree, timeout=90.0
+        )  # fmt: skip
+    ):
+        assert not out["destroyed_alone"], (rank, out)
