@@ -48,12 +48,14 @@ from .sdist import fetch_sdist
 from .source import CHECKOUT_ENV, available, not_configured, read_base_files
 from .trees import MANIFEST_PATH, check_target_dir, ensure_trees, load_tree, materialize
 from .upstream import (
-    TOPIC_DEPENDS,
-    TOPICS,
+    PREREQUISITES_DIR,
+    apply_command,
     check_checkout_dir,
     check_export,
+    check_topic,
     export_upstream,
     identity,
+    prerequisite_exports,
     target_series,
 )
 
@@ -276,25 +278,32 @@ def _cmd_landed(args: argparse.Namespace) -> int:
 
 def _cmd_upstream(args: argparse.Namespace) -> int:
     target_series(args.target)  # bad arguments first, before anything is written
-    check_target_dir(Path(args.outdir))
+    check_topic(args.topic)
+    outdir = check_target_dir(Path(args.outdir))
     if args.check:
         check_checkout_dir(Path(args.check))
     ident = identity()
     notes: list = []
-    paths = export_upstream(args.target, Path(args.outdir), ident, args.topic, notes=notes)
-    print(f"wrote {len(paths)} {args.topic} patches for {args.target} to {args.outdir}, "
+    paths = export_upstream(args.target, outdir, ident, args.topic, notes=notes)
+    print(f"wrote {len(paths)} {args.topic} patches for {args.target} to {outdir}, "
           f"signed off by {ident[0]} <{ident[1]}>")  # fmt: skip
+    first = prerequisite_exports(outdir)
+    if first:
+        print(f"the {args.topic} PR builds on {len(first)} PRs, which must merge first; their "
+              f"exports (as `upstream {args.target} DIR --topic T` writes them) are in "
+              f"{outdir / PREREQUISITES_DIR}, in merge order:")  # fmt: skip
+        for k, (dep, dep_paths) in enumerate(first, 1):
+            print(f"  {k}. {dep}: {len(dep_paths)} patches in "
+                  f"{outdir / PREREQUISITES_DIR / f'{k}-{dep}'}")  # fmt: skip
     for note in notes:
         print(f"note: {note}")
+    if paths:
+        what = ", prerequisites first" if first else ""
+        print(f"to apply to {args.target}{what}: {apply_command(outdir)}")
     if args.check:
-        with tempfile.TemporaryDirectory(prefix="moe-release-deps-") as tmp:
-            first = []  # the PRs this one builds on, applied before it
-            for dep in TOPIC_DEPENDS.get(args.topic, ()):
-                first += export_upstream(args.target, Path(tmp) / dep, ident, dep)
-                print(f"(checked after the {dep} PR it builds on)")
-            lines = check_export(first + paths, Path(args.check), args.ref or args.target, ident)
+        lines = check_export(paths, Path(args.check), args.ref or args.target, ident, first)
         for line in lines:
-            print(line)
+            print(f"check: {line}")
     return 0
 
 
@@ -469,12 +478,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("target", metavar="TARGET", help="upstream ref the export is for")
     p.add_argument("outdir", metavar="OUTDIR", help="target directory (absent or empty)")
-    p.add_argument("--check", metavar="CHECKOUT", help="git am the export onto a clone of it")
+    p.add_argument(
+        "--check", metavar="CHECKOUT", help="git am the export (prerequisites first) onto a clone"
+    )
     p.add_argument("--ref", help="ref of CHECKOUT to apply to (default: TARGET)")
-    p.add_argument("--topic", default="memory", choices=TOPICS,
-                   help="which PR: dispatcher-state, a2a-overlap, hybridep-groups, comm-buffers "
-                   "(which builds on hybridep-groups), cpu-import, or memory (the first four as "
-                   "one series, the default)")  # fmt: skip
+    p.add_argument("--topic", default="memory",
+                   help="which PR (patches/topics.toml): dispatcher-state, a2a-overlap, "
+                   "hybridep-groups, comm-buffers (which builds on dispatcher-state and "
+                   "hybridep-groups: their exports go to OUTDIR/prerequisites/), cpu-import, or "
+                   "memory (the first four as one series, the default)")  # fmt: skip
     p.set_defaults(func=_cmd_upstream)
     p = sub.add_parser(
         "port",

@@ -6,19 +6,24 @@ Upstream commits carry conventional subjects (``fix(moe): ...``) and only a ``Si
 (DCO) of the person submitting; the overlay's ``Forwarded:``/``Origin:`` trailers and its
 placeholder identity are bookkeeping of this repository and are dropped. Each exported file is
 a ``git am``-able mbox (``0001-<slug>.patch`` ...) whose message is the PR description: what,
-why, measured numbers, tests, what it does not cover. :func:`check_export` applies an export to
-a Megatron-LM checkout with ``git am`` and byte-compiles every file it touched.
+why, measured numbers, tests, what it does not cover. A PR that builds on others
+(patches/topics.toml) is diffed on top of them and written with their exports under
+``prerequisites/``; :func:`check_export` applies an export, its prerequisites first, to a
+Megatron-LM checkout with ``git am`` and byte-compiles every file it touched.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import py_compile
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
+import tomllib
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from .common import REPO_ROOT, UserError
 from .git import create_edit_repo, format_patches
@@ -40,18 +45,14 @@ OVERLAY_TRAILERS = ("Forwarded", "Applied-Upstream", "Origin", "Backport-Of", "S
 # Upstream takes one PR per code-owner area and topic: the dispatcher-state release
 # (token_dispatcher.py), the A2A-overlap state (the 1F1B schedule plan and its nodes), HybridEP's
 # buffer per process group and the communication-buffer lifecycle (fused_a2a.py,
-# parallel_state.py); the CPU-import fix is its own. ``memory`` is the memory PRs as one series,
-# in series order. A topic is chosen by the primary subject's words.
-PR_TOPICS = {
-    "dispatcher-state": ("dispatcher state after combine",),
-    "a2a-overlap": ("A2A overlap: ",),
-    "hybridep-groups": ("HybridEP buffer per",),
-    "comm-buffers": (
-        "HybridEP and DeepEP buffers",
-        "DeepEP buffer explicitly",
-        "NCCL EP's context",
-    ),
-}
+# parallel_state.py); the CPU-import fix is its own. Which patch is which topic, what each PR
+# builds on and the tests it adds: patches/topics.toml (:func:`load_topics`). ``memory`` is the
+# memory PRs (every topic but the CPU-import fix) as one series, in series order.
+TOPICS_FILE = "patches/topics.toml"
+MEMORY = "memory"
+CPU_IMPORT = "cpu-import"
+# Where an export writes the PRs its topic builds on: OUTDIR/prerequisites/<k>-<topic>/.
+PREREQUISITES_DIR = "prerequisites"
 # The flex backends a topic's upstream-layout tests have cases for (each skips without its own).
 TOPIC_BACKENDS = {
     "dispatcher-state": "deep_ep or HybridEP",
@@ -60,18 +61,91 @@ TOPIC_BACKENDS = {
     "comm-buffers": "deep_ep, HybridEP or TE's NCCL EP",
 }
 TOPIC_BACKENDS_ON = {("comm-buffers", "dev"): "deep_ep, HybridEP, TE's NCCL EP or DeepEP v2"}
-# A PR built on another one, which must merge first: its diffs are made on top of that PR's.
-TOPIC_DEPENDS = {"comm-buffers": ("hybridep-groups",)}
-TOPICS = ("memory", *PR_TOPICS, "cpu-import")
-# The upstream-layout tests each PR adds (files under patches/upstream/tests, by their name), and
-# the message of the patch that adds them: patches/upstream/tests-message-<topic>.txt.
-TOPIC_TESTS = {
-    "dispatcher-state": ("test_token_dispatcher_state_release.py",),
-    "a2a-overlap": ("test_schedule_state_release.py",),
-    "hybridep-groups": ("test_hybrid_ep_buffer_per_group.py",),
-    "comm-buffers": ("test_fused_a2a_release_comm_buffers.py",),
-    "cpu-import": ("test_paged_stash_import.py", "test_router_gating_without_te.py"),
-}
+
+
+@dataclasses.dataclass(frozen=True)
+class Topics:
+    """patches/topics.toml: each patch's topic (by its file name in patches/series), and per
+    topic, in merge order, the PRs that must merge before it and the test files it adds."""
+
+    of_patch: dict[str, str]
+    prerequisites: dict[str, tuple[str, ...]]
+    tests: dict[str, tuple[str, ...]]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every topic, in merge order."""
+        return tuple(self.prerequisites)
+
+    @property
+    def memory(self) -> tuple[str, ...]:
+        """The memory PRs (every topic but the CPU-import fix), in merge order."""
+        return tuple(t for t in self.names if t != CPU_IMPORT)
+
+    def choices(self) -> tuple[str, ...]:
+        """What ``--topic`` takes: ``memory`` and every topic."""
+        return (MEMORY, *self.names)
+
+    def closure(self, topic: str) -> tuple[str, ...]:
+        """The PRs ``topic`` builds on, directly or through another, in merge order."""
+        need, todo = set(), list(self.prerequisites.get(topic, ()))
+        while todo:
+            dep = todo.pop()
+            if dep not in need:
+                need.add(dep)
+                todo += self.prerequisites[dep]
+        return tuple(t for t in self.names if t in need)
+
+
+def _string_list(value: object, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise UserError(f"{where}: must be a list of strings")
+    return tuple(value)
+
+
+def load_topics(root: Path = REPO_ROOT) -> Topics:
+    """Read and check patches/topics.toml: every patch's topic is declared, and every topic's
+    prerequisites are topics declared before it (merge order); a problem is one line naming
+    it."""
+    path = root / TOPICS_FILE
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UserError(f"{TOPICS_FILE}: cannot read it ({exc.strerror or exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{TOPICS_FILE}: not valid TOML ({exc})") from None
+    unknown = sorted(set(data) - {"patches", "topic"})
+    if unknown or not isinstance(data.get("topic"), dict) or not data["topic"]:
+        raise UserError(f"{TOPICS_FILE}: wants [patches] and [topic.<name>] tables only")
+    prerequisites: dict[str, tuple[str, ...]] = {}
+    tests: dict[str, tuple[str, ...]] = {}
+    for name, table in data["topic"].items():
+        where = f"{TOPICS_FILE}: topic.{name}"
+        if name == MEMORY or not isinstance(table, dict):
+            raise UserError(f"{where}: not a topic table ({MEMORY!r} is reserved)")
+        extra = sorted(set(table) - {"prerequisites", "tests"})
+        if extra:
+            raise UserError(f"{where}: unknown key {extra[0]!r} (prerequisites, tests)")
+        deps = _string_list(table.get("prerequisites", []), f"{where}.prerequisites")
+        for dep in deps:
+            if dep not in prerequisites:
+                raise UserError(
+                    f"{where}.prerequisites: {dep!r} is not a topic declared before it "
+                    "(topics are listed in merge order)"
+                )
+        prerequisites[name] = deps
+        tests[name] = _string_list(table.get("tests", []), f"{where}.tests")
+    if CPU_IMPORT not in prerequisites:
+        raise UserError(f"{TOPICS_FILE}: no [topic.{CPU_IMPORT}]")
+    of_patch = data.get("patches", {})
+    if not isinstance(of_patch, dict):
+        raise UserError(f"{TOPICS_FILE}: [patches] must map patch file names to topics")
+    for patch, topic in of_patch.items():
+        if topic not in prerequisites:
+            raise UserError(f"{TOPICS_FILE}: {patch} is in topic {topic!r}, which is not declared")
+    return Topics(dict(of_patch), prerequisites, tests)
+
+
 # A test file that is about one module, by the module: exported only to a target whose series
 # changes it (the CPU-import fix of release branches without the paged stash is another change).
 TEST_REQUIRES = {
@@ -213,28 +287,47 @@ def _slug(subject: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", subject).strip("-")[:52].rstrip("-")
 
 
-def patch_topic(patch: Patch) -> str:
-    """The PR a patch belongs to (a key of :data:`PR_TOPICS`, or ``cpu-import``), by its
-    subject; a patch no topic claims is an error naming it."""
-    if CPU_IMPORT_TITLE in patch.subject:
-        return "cpu-import"
-    for topic, words in PR_TOPICS.items():
-        if any(w in patch.subject for w in words):
-            return topic
-    raise UserError(f"{patch.name}: belongs to no upstream topic ({', '.join(TOPICS)})")
+def patch_topic(patch: Patch, topics: Topics) -> str:
+    """The PR a patch belongs to, by its file name in patches/topics.toml (a backport's: the
+    primary patch its ``Backport-Of:`` trailer names); a patch no topic claims is an error
+    naming it."""
+    for name in (patch.name, *patch.trailers.get("Backport-Of", [])):
+        if name in topics.of_patch:
+            return topics.of_patch[name]
+    raise UserError(f"{patch.name}: belongs to no upstream topic (add it to {TOPICS_FILE})")
 
 
-def topic_series(series: list[tuple[str, bytes]], topic: str) -> list[tuple[str, bytes]]:
-    """The patches of one upstream PR (a key of :data:`PR_TOPICS`, or ``cpu-import``), or of
-    ``memory``: the memory PRs' patches together."""
-    if topic not in TOPICS:
-        raise UserError(f"unknown topic {topic!r} (one of {', '.join(TOPICS)})")
+def check_topic(topic: str, root: Path = REPO_ROOT) -> Topics:
+    """The topics, once ``topic`` is known to be one (or ``memory``); else a UserError naming
+    them."""
+    topics = load_topics(root)
+    if topic not in topics.choices():
+        raise UserError(f"unknown topic {topic!r} (one of {', '.join(topics.choices())})")
+    return topics
+
+
+def topic_series(
+    series: list[tuple[str, bytes]], topic: str, root: Path = REPO_ROOT
+) -> list[tuple[str, bytes]]:
+    """The patches of one upstream PR (a topic of patches/topics.toml), or of ``memory``: the
+    memory PRs' patches together, in series order."""
+    topics = check_topic(topic, root)
     out = []
     for name, data in series:
-        mine = patch_topic(parse_patch(data, name))
-        if mine == topic or (topic == "memory" and mine != "cpu-import"):
+        mine = patch_topic(parse_patch(data, name), topics)
+        if mine == topic or (topic == MEMORY and mine != CPU_IMPORT):
             out.append((name, data))
     return out
+
+
+def prerequisites(
+    target: str, topic: str, root: Path = REPO_ROOT, whole: Optional[list] = None
+) -> list[str]:
+    """The PRs ``topic``'s PR to ``target`` builds on (patches/topics.toml, transitively), in
+    merge order: those with patches on ``target`` (``whole``: its series, if read already)."""
+    topics = check_topic(topic, root)
+    whole = target_series(target, root) if whole is None else whole
+    return [dep for dep in topics.closure(topic) if topic_series(whole, dep, root)]
 
 
 def target_series(target: str, root: Path = REPO_ROOT) -> list[tuple[str, bytes]]:
@@ -280,17 +373,24 @@ def target_base(target: str, root: Path = REPO_ROOT) -> Base:
     raise UserError(f"upstream {target}: no base in patches/pins.toml carries its series")
 
 
-def rebase_alone(series: list[tuple[str, bytes]], base: Base, base_files: dict[str, bytes]) -> list:
-    """``series`` (a part of a stacked series) as it applies to ``base`` without the rest: each
-    diff made again, as ``edit`` and ``export`` make them (:func:`create_edit_repo`,
-    :func:`format_patches`), so that its ``index`` lines name blobs a checkout of the base has
-    (or that the part's earlier patches make), which ``git am -3`` needs to fall back to a
-    3-way merge. A patch that does not apply there without the rest is an error naming it."""
-    paths = {fp.path for name, data in series for fp in parse_patch(data, name).files}
+def rebase_alone(
+    series: list[tuple[str, bytes]],
+    base: Base,
+    base_files: dict[str, bytes],
+    first: Sequence[tuple[str, bytes]] = (),
+) -> list:
+    """``series`` (a part of a stacked series) as it applies to ``base`` on top of ``first``
+    (the PRs it builds on, in merge order) without the rest: each diff made again, as ``edit``
+    and ``export`` make them (:func:`create_edit_repo`, :func:`format_patches`), so that its
+    ``index`` lines name blobs a checkout of the base has once ``first`` is applied (or that the
+    part's earlier patches make), which ``git am -3`` needs to fall back to a 3-way merge.
+    Returns ``series``' patches only; one that does not apply there is an error naming it."""
+    stack = [*first, *series]
+    paths = {fp.path for name, data in stack for fp in parse_patch(data, name).files}
     with tempfile.TemporaryDirectory(prefix="moe-release-alone-") as tmp:
         repo = Path(tmp) / "repo"
-        create_edit_repo(repo, base, {p: d for p, d in base_files.items() if p in paths}, series)
-        again = format_patches(repo)
+        create_edit_repo(repo, base, {p: d for p, d in base_files.items() if p in paths}, stack)
+        again = format_patches(repo)[len(first) :]
     cut = lambda data: data.index(b"\ndiff --git ") + 1  # noqa: E731
     return [(n, d[: cut(d)] + a[cut(a) :]) for (n, d), (_, a) in zip(series, again, strict=True)]
 
@@ -319,12 +419,11 @@ def new_files_diff(files: dict[str, bytes]) -> bytes:
 
 def topic_test_files(topic: str, root: Path = REPO_ROOT) -> dict[str, bytes]:
     """The upstream-layout test files ``topic`` adds (for ``memory``, those of its PRs);
-    a file :data:`TOPIC_TESTS` names that does not exist is an error."""
+    a test file patches/topics.toml names that does not exist is an error."""
     files = upstream_test_files(root)
-    if topic == "memory":
-        names = tuple(n for t in PR_TOPICS for n in TOPIC_TESTS[t])
-    else:
-        names = TOPIC_TESTS[topic]
+    topics = check_topic(topic, root)
+    tests = topics.tests
+    names = tuple(n for t in topics.memory for n in tests[t]) if topic == MEMORY else tests[topic]
     files = {p: d for p, d in files.items() if p.rsplit("/", 1)[-1] in names}
     missing = set(names) - {p.rsplit("/", 1)[-1] for p in files}
     if missing:
@@ -458,67 +557,30 @@ def export_upstream(
     target: str,
     outdir: Path,
     ident: tuple[str, str],
-    topic: str = "memory",
+    topic: str = MEMORY,
     root: Path = REPO_ROOT,
     notes: Optional[list] = None,
 ) -> list[Path]:
     """Write one topic of ``target``'s series (:func:`target_series`) as ``git am``-able mboxes
-    into ``outdir`` (absent or empty); returns their paths. A topic that is not the whole series
-    is diffed again against the base alone (:func:`rebase_alone`); where the base's files are
-    not available, ``notes`` gets a line saying so."""
+    and its ``PR.md`` into ``outdir`` (absent or empty); returns the mboxes' paths. A topic that
+    is not the whole series is diffed again against the base with only the PRs it builds on
+    (:func:`rebase_alone`), whose own exports go to ``outdir/prerequisites/<k>-<topic>/`` in
+    merge order (:func:`prerequisite_exports`). Where the base's files are not available,
+    ``notes`` gets a line saying so. All or nothing: a failure leaves ``outdir`` as it was."""
     whole = target_series(target, root)
     outdir = check_target_dir(outdir)
-    series = topic_series(whole, topic)
-    if 0 < len(series) < len(whole):  # a topic without the patches before it: its own blobs
-        base = target_base(target, root)
-        if available(base):
-            # ... on top of the PRs it builds on, which merge first.
-            deps = [p for dep in TOPIC_DEPENDS.get(topic, ()) for p in topic_series(whole, dep)]
-            series = rebase_alone(deps + series, base, read_base_files(base))[len(deps) :]
-        elif notes is not None:
-            notes.append(
-                f"index lines name blobs of the whole series, not of {base.name} alone "
-                f"(git am -3 cannot fall back): {not_configured(base)}"
-            )
-    name, email = ident
-    last_date = parse_patch(series[-1][1], series[-1][0]).date if series else ""
-    tests = _tests_patch(topic, series, root, target)
-    total = len(series) + (1 if tests else 0)
+    deps = prerequisites(target, topic, root, whole)
+    base_files: dict[str, dict[str, bytes]] = {}  # read once, for every PR written
     try:
         staged = Path(tempfile.mkdtemp(prefix=f".{outdir.name}.tmp-", dir=outdir.parent))
     except OSError as exc:
         raise UserError(f"{outdir}: cannot create the target: {exc.strerror or exc}") from None
-    paths = []
     try:
-        for n, (fname, data) in enumerate(series, 1):
-            patch = parse_patch(data, fname)
-            subject = export_subject(patch.subject, target)
-            diff = data[data.index(b"\ndiff --git ") + 1 :]
-            head = (
-                "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
-                f"From: {name} <{email}>\nDate: {patch.date}\n"
-                f"Subject: [PATCH {n}/{total}] {subject}\n\n"
-            )
-            body = upstream_message(patch, name, email)
-            out = staged / f"{n:04d}-{_slug(subject)}.patch"
-            out.write_bytes((head + body + "---\n").encode() + diff)
-            paths.append(out.name)
-        if tests:
-            subject, body, diff = tests
-            n = total
-            head = (
-                "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
-                f"From: {name} <{email}>\nDate: {last_date}\n"
-                f"Subject: [PATCH {n}/{total}] {subject}\n\n"
-            )
-            out = staged / f"{n:04d}-{_slug(subject)}.patch"
-            signoff = f"\n\nSigned-off-by: {name} <{email}>\n"
-            out.write_bytes((head + body + signoff + "---\n").encode() + diff)
-            paths.append(out.name)
-        if topic in PR_SUMMARY:
-            (staged / PR_FILE).write_text(
-                pr_description(target, topic, series, root), encoding="utf-8"
-            )
+        paths = _write_pr(staged, target, topic, whole, ident, root, notes, base_files)
+        for k, dep in enumerate(deps, 1):
+            sub = staged / PREREQUISITES_DIR / f"{k}-{dep}"
+            sub.mkdir(parents=True)
+            _write_pr(sub, target, dep, whole, ident, root, notes, base_files)
         if outdir.exists():
             outdir.rmdir()
         staged.rename(outdir)
@@ -528,7 +590,103 @@ def export_upstream(
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
-    return [outdir / p for p in paths]
+    return [outdir / p.name for p in paths]
+
+
+def _pr_series(
+    target: str,
+    topic: str,
+    whole: list[tuple[str, bytes]],
+    root: Path,
+    notes: Optional[list],
+    base_files: dict[str, dict[str, bytes]],
+) -> list[tuple[str, bytes]]:
+    """``topic``'s patches as its PR carries them: diffed against the base with only the PRs it
+    builds on below it (the whole series' diffs, and a note, where the base is not readable)."""
+    series = topic_series(whole, topic, root)
+    if not 0 < len(series) < len(whole):
+        return series
+    base = target_base(target, root)
+    if not available(base):
+        note = (
+            f"index lines name blobs of the whole series, not of {base.name} alone "
+            f"(git am -3 cannot fall back): {not_configured(base)}"
+        )
+        if notes is not None and note not in notes:
+            notes.append(note)
+        return series
+    if base.name not in base_files:
+        base_files[base.name] = read_base_files(base)
+    deps = prerequisites(target, topic, root, whole)
+    first = [p for dep in deps for p in topic_series(whole, dep, root)]
+    return rebase_alone(series, base, base_files[base.name], first)
+
+
+def _write_pr(
+    dest: Path,
+    target: str,
+    topic: str,
+    whole: list[tuple[str, bytes]],
+    ident: tuple[str, str],
+    root: Path,
+    notes: Optional[list],
+    base_files: dict[str, dict[str, bytes]],
+) -> list[Path]:
+    """Write ``topic``'s PR to ``target`` (its mboxes, then ``PR.md``) into the empty directory
+    ``dest``; returns the mboxes' paths."""
+    series = _pr_series(target, topic, whole, root, notes, base_files)
+    name, email = ident
+    last_date = parse_patch(series[-1][1], series[-1][0]).date if series else ""
+    tests = _tests_patch(topic, series, root, target)
+    total = len(series) + (1 if tests else 0)
+    paths = []
+    for n, (fname, data) in enumerate(series, 1):
+        patch = parse_patch(data, fname)
+        subject = export_subject(patch.subject, target)
+        diff = data[data.index(b"\ndiff --git ") + 1 :]
+        head = (
+            "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
+            f"From: {name} <{email}>\nDate: {patch.date}\n"
+            f"Subject: [PATCH {n}/{total}] {subject}\n\n"
+        )
+        body = upstream_message(patch, name, email)
+        out = dest / f"{n:04d}-{_slug(subject)}.patch"
+        out.write_bytes((head + body + "---\n").encode() + diff)
+        paths.append(out)
+    if tests:
+        subject, body, diff = tests
+        head = (
+            "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
+            f"From: {name} <{email}>\nDate: {last_date}\n"
+            f"Subject: [PATCH {total}/{total}] {subject}\n\n"
+        )
+        out = dest / f"{total:04d}-{_slug(subject)}.patch"
+        signoff = f"\n\nSigned-off-by: {name} <{email}>\n"
+        out.write_bytes((head + body + signoff + "---\n").encode() + diff)
+        paths.append(out)
+    if topic in PR_SUMMARY:
+        (dest / PR_FILE).write_text(pr_description(target, topic, series, root), encoding="utf-8")
+    return paths
+
+
+def prerequisite_exports(outdir: Path) -> list[tuple[str, list[Path]]]:
+    """The PRs an export in ``outdir`` builds on, as :func:`export_upstream` wrote them under
+    ``outdir/prerequisites/``: (topic, its mboxes), in merge order."""
+    top = outdir / PREREQUISITES_DIR
+    found = []
+    for sub in top.iterdir() if top.is_dir() else ():
+        k, _, topic = sub.name.partition("-")
+        if sub.is_dir() and k.isdigit() and topic:
+            found.append((int(k), topic, sorted(sub.glob("*.patch"))))
+    return [(topic, paths) for _, topic, paths in sorted(found)]
+
+
+def apply_command(outdir: Path) -> str:
+    """The ``git am`` command line that applies an export in ``outdir`` to a checkout of its
+    target: the PRs it builds on first, in merge order, then its own."""
+    dirs = [paths[0].parent for _, paths in prerequisite_exports(outdir) if paths]
+    globs = [shlex.quote(str(d.absolute())) + "/*.patch" for d in [*dirs, outdir]]
+    return "git am -3 " + " ".join(globs)
 
 
 # What each PR does, in a line: the first section of upstream's pull_request_template.md.
@@ -591,9 +749,9 @@ def pr_description(target: str, topic: str, series: list, root: Path = REPO_ROOT
     them, and what the change does not cover (each commit's own "Not covered", under its
     subject)."""
     summary, related = PR_SUMMARY_ON.get((topic, target), PR_SUMMARY[topic])
-    for dep in TOPIC_DEPENDS.get(topic, ()):
-        whole = target_series(target, root)
-        title = pr_title(target, dep, topic_series(whole, dep))
+    whole = target_series(target, root)
+    for dep in prerequisites(target, topic, root, whole):  # in merge order
+        title = pr_title(target, dep, topic_series(whole, dep, root))
         related += f" Builds on \"{title}\" (`upstream --topic {dep}`), which must merge first."
     test_files = sorted(export_test_files(topic, series, root))
     box = lambda done: "x" if done else " "  # noqa: E731
@@ -665,11 +823,17 @@ def check_checkout_dir(checkout: Path) -> None:
 
 
 def check_export(
-    patches: list[Path], checkout: Path, ref: Optional[str], ident: tuple[str, str]
+    patches: list[Path],
+    checkout: Path,
+    ref: Optional[str],
+    ident: tuple[str, str],
+    first: Sequence[tuple[str, list[Path]]] = (),
 ) -> list[str]:
-    """``git am`` the export onto a scratch clone of ``checkout`` (at ``ref``, default HEAD) and
-    byte-compile the Python files it touched; returns lines describing the result. Raises
-    UserError naming the patch that does not apply."""
+    """``git am`` the export onto a scratch clone of ``checkout`` (at ``ref``, default HEAD),
+    after ``first`` (the PRs it builds on, (topic, mboxes) in merge order, as
+    :func:`prerequisite_exports` lists them), and byte-compile the Python files they touched;
+    returns lines describing the result, a line per PR applied. Raises UserError naming the
+    patch that does not apply."""
     if not patches:
         raise UserError("nothing to check: the export is empty")
     check_checkout_dir(checkout)
@@ -696,15 +860,23 @@ def check_export(
             raise UserError(f"{checkout}: no ref {rev!r}")
         commit = run("rev-parse", "HEAD", cwd=work).stdout.strip()
         touched: set = set()
-        for path in patches:
-            done = run("am", "--quiet", str(path), cwd=work)
-            if done.returncode != 0:
-                run("am", "--abort", cwd=work)
-                why = (done.stdout + done.stderr).strip().splitlines()
-                raise UserError(f"{path.name} does not apply to {rev} ({commit[:12]}): "
-                                f"{why[0] if why else '?'}")  # fmt: skip
-            names = run("show", "--name-only", "--format=", "HEAD", cwd=work).stdout.split()
-            touched.update(names)
+        lines = []
+        parts = [*((f"prerequisite {k}/{len(first)} {topic}: ", paths)
+                   for k, (topic, paths) in enumerate(first, 1)),
+             ("the PR: " if first else "", patches)]  # fmt: skip
+        for k, (label, paths) in enumerate(parts):
+            for path in paths:
+                done = run("am", "--quiet", str(path), cwd=work)
+                if done.returncode != 0:
+                    run("am", "--abort", cwd=work)
+                    why = (done.stdout + done.stderr).strip().splitlines()
+                    raise UserError(f"{label}{path.name} does not apply to {rev} ({commit[:12]})"
+                                    f"{' after the PRs before it' if k else ''}: "
+                                    f"{why[0] if why else '?'}")  # fmt: skip
+                names = run("show", "--name-only", "--format=", "HEAD", cwd=work).stdout.split()
+                touched.update(names)
+            where = f"to {rev} ({commit[:12]})" if k == 0 else "on top"
+            lines.append(f"{label}{len(paths)} patches applied with git am {where}")
         failed = []
         for rel in sorted(t for t in touched if t.endswith(".py")):
             try:
@@ -713,7 +885,4 @@ def check_export(
                 failed.append(f"{rel}: {exc.msg.strip().splitlines()[-1]}")
         if failed:
             raise UserError(f"byte-compile failed after git am: {failed[0]}")
-        return [
-            f"{len(patches)} patches applied with git am to {rev} ({commit[:12]})",
-            f"{len(touched)} files touched, all Python ones byte-compile",
-        ]
+        return [*lines, f"{len(touched)} files touched, all Python ones byte-compile"]

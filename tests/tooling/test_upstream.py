@@ -1,22 +1,24 @@
 """`moe_release.py upstream`: the series in upstream's conventions, applied with git am."""
 
 import os
+import re
+import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from patchtool.cli import main as cli_main
 from patchtool.common import REPO_ROOT, UserError
 from patchtool.patches import check_trailers, parse_patch
 from patchtool.pins import load_pins
 from patchtool.repo import read_series
-from patchtool.source import blob_id
 from patchtool.upstream import (
     CPU_IMPORT_TITLE,
-    PR_TOPICS,
-    TOPIC_DEPENDS,
-    TOPIC_TESTS,
+    PR_SUMMARY,
+    TOPIC_BACKENDS,
     VARIANT_TARGETS,
     check_export,
     export_subject,
@@ -24,8 +26,13 @@ from patchtool.upstream import (
     export_upstream,
     identity,
     is_placeholder_email,
+    load_topics,
+    prerequisite_exports,
+    prerequisites,
+    target_base,
     target_series,
     topic_series,
+    topic_test_files,
     upstream_message,
     upstream_subject,
     upstream_test_files,
@@ -33,14 +40,16 @@ from patchtool.upstream import (
 )
 
 IDENT = ("Ada Lovelace", "ada.lovelace@users.noreply.github.com")
+TOPICS = load_topics()
+PR_TOPICS = TOPICS.memory
+TOPIC_TESTS = TOPICS.tests
 
 
 def _export_with_dependencies(out: Path, topic: str) -> list[Path]:
-    """The exports of the PRs ``topic`` builds on (they merge first), then ``topic``'s."""
-    paths = []
-    for dep in TOPIC_DEPENDS.get(topic, ()):
-        paths += export_upstream("core_r0.19.0", out.parent / f"{out.name}-{dep}", IDENT, dep)
-    return paths + export_upstream("core_r0.19.0", out, IDENT, topic)
+    """``topic``'s export for core_r0.19.0 as `git am` takes it: the PRs it builds on (written
+    under ``out/prerequisites/``, in merge order), then its own."""
+    own = export_upstream("core_r0.19.0", out, IDENT, topic)
+    return [p for _, paths in prerequisite_exports(out) for p in paths] + own
 
 
 def _git(cwd: Path, *args: str) -> None:
@@ -150,9 +159,8 @@ def test_topics_split_the_series(base):
     assert all("A2A overlap" in parse_patch(d, n).subject for n, d in prs["a2a-overlap"])
     with pytest.raises(UserError, match="unknown topic 'docs'"):
         topic_series(series, "docs")
-    stray = series[1][1].replace(b"Release flex dispatcher state", b"Tidy the dispatcher")
-    with pytest.raises(UserError, match="belongs to no upstream topic"):
-        topic_series([("stray.patch", stray)], "memory")
+    with pytest.raises(UserError, match=r"stray.patch: belongs to no upstream topic \(add it to "):
+        topic_series([("stray.patch", series[1][1])], "memory")
 
 
 def test_export_leaves_out_the_overlay_evidence(tmp_path, base):
@@ -378,10 +386,13 @@ def _checkout(tmp_path: Path, base, base_files, edit=None) -> Path:
 
 @pytest.mark.parametrize("topic", ["memory", *PR_TOPICS, "cpu-import"])
 def test_check_applies_with_git_am_and_byte_compiles(tmp_path, base, base_files, topic):
-    paths = _export_with_dependencies(tmp_path / "out", topic)
-    lines = check_export(paths, _checkout(tmp_path, base, base_files), None, IDENT)
-    assert lines[0].startswith(f"{len(paths)} patches applied with git am to HEAD")
-    assert "all Python ones byte-compile" in lines[1]
+    paths = export_upstream("core_r0.19.0", tmp_path / "out", IDENT, topic)
+    deps = prerequisite_exports(tmp_path / "out")
+    lines = check_export(paths, _checkout(tmp_path, base, base_files), None, IDENT, deps)
+    assert len(lines) == len(deps) + 2
+    assert lines[-2].endswith(f"{len(paths)} patches applied with git am " + (
+        "on top" if deps else "to HEAD" + lines[-2].rsplit("HEAD", 1)[1]))  # fmt: skip
+    assert "all Python ones byte-compile" in lines[-1]
 
 
 def test_check_names_the_patch_that_does_not_apply(tmp_path, base, base_files):
@@ -391,7 +402,8 @@ def test_check_names_the_patch_that_does_not_apply(tmp_path, base, base_files):
 
     paths = export_upstream("core_r0.19.0", tmp_path / "out", IDENT)
     checkout = _checkout(tmp_path, base, base_files, reword)
-    with pytest.raises(UserError, match=r"0008-fix-moe-release-the-HybridEP.*does not apply"):
+    first = next(p for p in paths if '     """Set the groups to none."""' in p.read_text())
+    with pytest.raises(UserError, match=rf"^{first.name} does not apply to HEAD"):
         check_export(paths, checkout, None, IDENT)
     # The checkout itself is untouched: git am ran on a scratch clone.
     status = subprocess.run(["git", "status", "--porcelain"], cwd=checkout, capture_output=True)
@@ -434,29 +446,40 @@ def test_no_test_for_a_fix_the_branch_does_not_get(tmp_path, target):
 @pytest.mark.parametrize("topic", [*PR_TOPICS, "cpu-import"])
 def test_a_topic_alone_indexes_blobs_a_checkout_has(tmp_path, base, base_files, topic):
     """Exported alone, a topic's diffs are made against the base without the series' other
-    patches (and of the PRs it builds on, which merge first): every ``index`` line's pre-image
-    is a blob of the base or one the export's earlier patches make, which ``git am -3`` needs to
-    fall back to a 3-way merge."""
-    known = {blob_id(data).hex() for data in base_files.values()} | {"0" * 40}
+    patches (but with the PRs it builds on, which merge first): applied with ``git am`` in merge
+    order, every ``index`` line's pre-image is a blob the checkout has by then, which
+    ``git am -3`` needs to fall back to a 3-way merge."""
+    checkout = _checkout(tmp_path, base, base_files)
     for path in _export_with_dependencies(tmp_path / "out", topic):
         for line in path.read_text().splitlines():
-            if line.startswith("index "):
-                pre, post = line.split()[1].split("..")
-                assert pre in known, f"{path}: {line} names a blob of the stacked series"
-                known.add(post)
+            if line.startswith("index ") and not line.startswith("index 0000000000"):
+                pre = line.split()[1].split("..")[0]
+                has = subprocess.run(["git", "cat-file", "-e", pre], cwd=checkout)
+                assert has.returncode == 0, f"{path}: {line} names a blob of the stacked series"
+        _git(checkout, "-c", "user.name=x", "-c", "user.email=x@localhost", "am", "-q", str(path))
 
 
 def test_a_pr_built_on_another_says_so_and_applies_after_it(tmp_path, base, base_files):
-    """The comm-buffers PR builds on the HybridEP-per-group PR: its description names that PR
-    (to merge first), and its export applies after that one's, not alone."""
-    alone = export_upstream("core_r0.19.0", tmp_path / "alone", IDENT, "comm-buffers")
-    text = (tmp_path / "alone" / "PR.md").read_text()
-    assert 'Builds on "fix(moe): keep one HybridEP buffer per process group"' in text, text
+    """The comm-buffers PR builds on the dispatcher-state and HybridEP-per-group PRs: its
+    description names both, in merge order, its export writes theirs under prerequisites/, and
+    it applies after them, not alone."""
+    own = export_upstream("core_r0.19.0", tmp_path / "out", IDENT, "comm-buffers")
+    text = (tmp_path / "out" / "PR.md").read_text()
+    first = text.index('Builds on "fix(moe): release the MoE dispatchers\' per-forward state')
+    second = text.index('Builds on "fix(moe): keep one HybridEP buffer per process group"')
+    assert first < second and text.count("which must merge first") == 2, text
+    deps = prerequisite_exports(tmp_path / "out")
+    assert [t for t, _ in deps] == ["dispatcher-state", "hybridep-groups"]
     with pytest.raises(UserError, match="does not apply"):
-        check_export(alone, _checkout(tmp_path, base, base_files), None, IDENT)
-    paths = _export_with_dependencies(tmp_path / "out", "comm-buffers")
-    lines = check_export(paths, _checkout(tmp_path / "second", base, base_files), None, IDENT)
-    assert lines[0].startswith(f"{len(paths)} patches applied with git am")
+        check_export(own, _checkout(tmp_path, base, base_files), None, IDENT)
+    lines = check_export(own, _checkout(tmp_path / "2", base, base_files), None, IDENT, deps)
+    assert lines[0] == (
+        f"prerequisite 1/2 dispatcher-state: {len(deps[0][1])} patches applied with git am to "
+        f"HEAD ({lines[0].rsplit('(', 1)[1]}"
+    )
+    assert lines[1] == f"prerequisite 2/2 hybridep-groups: {len(deps[1][1])} patches applied " \
+        "with git am on top"  # fmt: skip
+    assert lines[2] == f"the PR: {len(own)} patches applied with git am on top"
 
 
 def test_a_topic_alone_falls_back_to_a_3way_merge(tmp_path, base, base_files):
@@ -487,3 +510,206 @@ def test_a_topic_alone_falls_back_to_a_3way_merge(tmp_path, base, base_files):
     subprocess.run(["git", "am", "--abort"], cwd=checkout, check=True)
     merged = subprocess.run([*am, "-3", *files], cwd=checkout, capture_output=True)
     assert merged.returncode == 0, merged.stderr.decode()
+
+
+def _topics_file(root: Path, text: str) -> Path:
+    (root / "patches").mkdir(parents=True, exist_ok=True)
+    (root / "patches" / "topics.toml").write_text(text)
+    return root
+
+
+def test_every_patch_of_every_target_has_a_topic(base):
+    """patches/topics.toml names every patch of patches/series (and nothing else), and every
+    series an upstream target exports (a backport by its Backport-Of:) splits into its topics;
+    each topic has a PR description and its test files exist."""
+    primary = [n for n, _ in read_series(base)]
+    assert sorted(TOPICS.of_patch) == sorted(primary)
+    for target in ("main", "dev", "core_r0.19.0", "core_r0.18.0", "core_r0.17.0", "core_r0.16.0"):
+        whole = target_series(target)
+        parts = [n for t in TOPICS.names for n, _ in topic_series(whole, t)]
+        assert sorted(parts) == sorted(n for n, _ in whole), target
+    for topic in TOPICS.names:
+        assert topic in PR_SUMMARY and (topic == "cpu-import" or topic in TOPIC_BACKENDS)
+        assert topic_test_files(topic), topic
+
+
+def test_prerequisites_are_declared_in_merge_order():
+    """comm-buffers needs dispatcher-state (without it the flex manager's dispatched probs keep
+    the HybridEP buffer alive through their grad_fn, and the release frees nothing) and
+    hybridep-groups (its diffs change that PR's code); the other PRs stand alone. On every
+    target, in merge order."""
+    assert TOPICS.names[: len(PR_TOPICS)] == PR_TOPICS
+    expected = {"comm-buffers": ["dispatcher-state", "hybridep-groups"]}
+    for target in ("main", "dev", "core_r0.19.0", "core_r0.16.0"):
+        for topic in TOPICS.choices():
+            assert prerequisites(target, topic) == expected.get(topic, []), (target, topic)
+
+
+def test_prerequisites_are_transitive_and_in_merge_order(tmp_path):
+    """A topic's prerequisites are those of its prerequisites too, listed in merge order (the
+    order of the [topic.*] tables), whatever order a table names them in."""
+    root = _topics_file(tmp_path, """
+[patches]
+[topic.a]
+[topic.b]
+prerequisites = ["a"]
+[topic.c]
+[topic.d]
+prerequisites = ["c", "b"]
+[topic.cpu-import]
+""")  # fmt: skip
+    topics = load_topics(root)
+    assert topics.closure("d") == ("a", "b", "c")
+    assert topics.closure("b") == ("a",) and topics.closure("a") == ()
+    assert topics.memory == ("a", "b", "c", "d")
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("[topic.a]\nprerequisites = [\"b\"]\n[topic.b]\n[topic.cpu-import]\n",
+         r"topic.a.prerequisites: 'b' is not a topic declared before it \(topics are listed in "
+         "merge order\\)"),
+        ("[topic.a]\nprerequisites = [\"a\"]\n[topic.cpu-import]\n", "'a' is not a topic"),
+        ("[patches]\n\"x.patch\" = \"nope\"\n[topic.cpu-import]\n",
+         "x.patch is in topic 'nope', which is not declared"),
+        ("[topic.memory]\n[topic.cpu-import]\n", "topic.memory: not a topic table"),
+        ("[topic.a]\nprerequisite = []\n[topic.cpu-import]\n", "unknown key 'prerequisite'"),
+        ("[topic.a]\ntests = \"t.py\"\n[topic.cpu-import]\n", "topic.a.tests: must be a list"),
+        ("[topic.a]\n", r"no \[topic.cpu-import\]"),
+        ("[topic.a\n", "not valid TOML"),
+        ("", r"wants \[patches\] and \[topic.<name>\] tables only"),
+    ],
+)  # fmt: skip
+def test_a_bad_topics_file_is_one_line_naming_the_problem(tmp_path, text, message):
+    with pytest.raises(UserError, match=message) as exc:
+        load_topics(_topics_file(tmp_path, text))
+    assert str(exc.value).startswith("patches/topics.toml: ") and "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("target", ["main", "dev", "core_r0.19.0", "core_r0.18.0"])
+def test_pr_md_lists_every_prerequisite_in_merge_order(tmp_path, target):
+    """PR.md says "Builds on ..., which must merge first" for each PR its topic builds on,
+    directly or not, in merge order; prerequisites/ holds their exports in the same order."""
+    for topic in PR_TOPICS:
+        out = tmp_path / f"{target}-{topic}"
+        export_upstream(target, out, IDENT, topic)
+        said = re.findall(r"Builds on \"[^\"]+\" \(`upstream --topic ([a-z-]+)`\), which must "
+                          r"merge first\.", (out / "PR.md").read_text())  # fmt: skip
+        assert said == prerequisites(target, topic), (target, topic)
+        assert [t for t, _ in prerequisite_exports(out)] == said
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str]:
+    code = cli_main(["upstream", *argv])
+    out, err = capsys.readouterr()
+    return code, out + err
+
+
+def _shell(cwd: Path, command: str) -> subprocess.CompletedProcess:
+    """``command`` as a user types it (a ``git am ...`` line the export printed), in ``cwd``."""
+    env = dict(os.environ, GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_NOSYSTEM="1",
+               GIT_AUTHOR_NAME=IDENT[0], GIT_AUTHOR_EMAIL=IDENT[1],
+               GIT_COMMITTER_NAME=IDENT[0], GIT_COMMITTER_EMAIL=IDENT[1])  # fmt: skip
+    return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True)
+
+
+def _am_line(output: str, target: str) -> str:
+    lines = [ln for ln in output.splitlines() if ln.startswith(f"to apply to {target}")]
+    assert len(lines) == 1, output
+    return lines[0].split(": ", 1)[1]
+
+
+def test_the_export_says_what_to_apply_first_and_check_applies_it(
+    tmp_path, base, base_files, capsys, monkeypatch
+):
+    """The comm-buffers export writes the PRs it builds on under OUTDIR/prerequisites/ and
+    prints, in merge order, which they are and the one `git am` line that applies everything;
+    that line works on a checkout of the base, where the PR's own patches alone do not, and
+    `--check` applies the prerequisites, then the PR, reporting each."""
+    monkeypatch.setenv("GIT_COMMITTER_NAME", IDENT[0])
+    monkeypatch.setenv("GIT_COMMITTER_EMAIL", IDENT[1])
+    out, checkout = tmp_path / "pr", _checkout(tmp_path, base, base_files)
+    code, text = _cli(capsys, "core_r0.19.0", str(out), "--topic", "comm-buffers",
+                      "--check", str(checkout), "--ref", "HEAD")  # fmt: skip
+    assert code == 0, text
+    deps = prerequisite_exports(out)
+    assert [t for t, _ in deps] == ["dispatcher-state", "hybridep-groups"]
+    lines = text.splitlines()
+    assert lines[1].startswith("the comm-buffers PR builds on 2 PRs, which must merge first;")
+    assert lines[2] == f"  1. dispatcher-state: {len(deps[0][1])} patches in {deps[0][1][0].parent}"
+    assert lines[3] == f"  2. hybridep-groups: {len(deps[1][1])} patches in {deps[1][1][0].parent}"
+    assert _am_line(text, "core_r0.19.0") == (
+        f"git am -3 {out}/prerequisites/1-dispatcher-state/*.patch "
+        f"{out}/prerequisites/2-hybridep-groups/*.patch {out}/*.patch"
+    )
+    assert "check: prerequisite 1/2 dispatcher-state: " in text
+    assert "check: prerequisite 2/2 hybridep-groups: " in text
+    assert "check: the PR: 4 patches applied with git am on top" in text
+    alone = _shell(checkout, f"git am {out}/*.patch")
+    assert alone.returncode != 0, "the PR's own patches applied without its prerequisites"
+    _shell(checkout, "git am --abort")
+    done = _shell(checkout, _am_line(text, "core_r0.19.0"))
+    assert done.returncode == 0, done.stderr.decode()
+    # A bad argument writes nothing: the topic is checked before the export.
+    code, text = _cli(capsys, "core_r0.19.0", str(tmp_path / "bad"), "--topic", "comm")
+    assert code == 2 and "unknown topic 'comm'" in text and len(text.splitlines()) == 1
+    assert not (tmp_path / "bad").exists()
+
+
+def _mirror_clone(tmp_path: Path, commit: str) -> Path:
+    """A work tree of $MOE_RELEASE_MEGATRON_LM's ``commit``, as a new user's clone."""
+    work = tmp_path / "Megatron-LM"
+    _git(tmp_path, "clone", "-q", "--shared", "--no-checkout",
+         os.environ["MOE_RELEASE_MEGATRON_LM"], str(work))  # fmt: skip
+    _git(work, "checkout", "-q", "--detach", commit)
+    return work
+
+
+@pytest.mark.needs_env("MOE_RELEASE_MEGATRON_LM")
+def test_the_readmes_upstream_example_works_as_written(tmp_path):
+    """README.md's "Patches for upstream" command, run as written (its OUTDIR in a scratch
+    directory, no Megatron-LM checkout configured, as a new user runs it), prints a `git am`
+    line that applies to main at the variant's commit, where the PR's patches alone do not."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    bullet = readme.split("**Patches for upstream", 1)[1].split("\n- ", 1)[0]
+    command = " ".join(re.search(r"`(python scripts/moe_release\.py upstream[^`]+)`", bullet)
+                       .group(1).split())  # fmt: skip
+    assert command == "python scripts/moe_release.py upstream main /tmp/pr --topic comm-buffers"
+    out = tmp_path / "pr"
+    argv = shlex.split(command.replace("/tmp/pr", str(out)))
+    env = {k: v for k, v in os.environ.items() if k != "MOE_RELEASE_MEGATRON_LM"}
+    env.update(GIT_COMMITTER_NAME=IDENT[0], GIT_COMMITTER_EMAIL=IDENT[1])
+    done = subprocess.run([sys.executable, *argv[1:]], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    work = _mirror_clone(tmp_path, target_base("main").commit)
+    alone = _shell(work, f"git am {out}/*.patch")
+    assert alone.returncode != 0, "comm-buffers applied to main without its prerequisites"
+    _shell(work, "git am --abort")
+    applied = _shell(work, _am_line(done.stdout, "main"))
+    assert applied.returncode == 0, applied.stderr.decode()
+    log = subprocess.run(["git", "log", "--format=%s", f"{target_base('main').commit}..HEAD"],
+                         cwd=work, capture_output=True, text=True).stdout  # fmt: skip
+    assert log.count("\n") == 4 + sum(len(p) for _, p in prerequisite_exports(out))
+
+
+@pytest.mark.needs_env("MOE_RELEASE_MEGATRON_LM")
+@pytest.mark.parametrize("target", VARIANT_TARGETS)
+def test_check_on_the_mirror_applies_the_prerequisites_then_the_pr(
+    tmp_path, capsys, monkeypatch, target
+):
+    """`upstream TARGET OUTDIR --topic comm-buffers --check MIRROR --ref <variant commit>`:
+    dispatcher-state, then hybridep-groups, then the PR, each applied with git am."""
+    monkeypatch.setenv("GIT_COMMITTER_NAME", IDENT[0])
+    monkeypatch.setenv("GIT_COMMITTER_EMAIL", IDENT[1])
+    commit, mirror = target_base(target).commit, os.environ["MOE_RELEASE_MEGATRON_LM"]
+    code, text = _cli(capsys, target, str(tmp_path / "pr"), "--topic", "comm-buffers",
+                      "--check", mirror, "--ref", commit)  # fmt: skip
+    assert code == 0, text
+    checks = [ln for ln in text.splitlines() if ln.startswith("check: ")]
+    assert checks[0].startswith("check: prerequisite 1/2 dispatcher-state: ")
+    assert checks[0].endswith(f"patches applied with git am to {commit} ({commit[:12]})")
+    assert checks[1].startswith("check: prerequisite 2/2 hybridep-groups: ")
+    assert checks[2] == "check: the PR: 4 patches applied with git am on top"
+    assert "note: " not in text  # the mirror is the base: diffs made against it
