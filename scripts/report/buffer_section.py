@@ -1,7 +1,7 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
 """The memory report's rows for the flex dispatcher's communication buffers: their bytes and
-what ``reset_fused_a2a_buffers()`` returns, and the memory planner's prediction
+what ``reset_fused_a2a_buffers(collective=True)`` returns, and the memory planner's prediction
 (``scripts/moe_memory_plan.py``) beside what the run measured.
 
 The buffer rows are a check of the planner: the CPU runtime's HybridEP and DeepEP emulations

@@ -1,7 +1,7 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
-"""The memory report's colocated-RL rows: what ``reset_fused_a2a_buffers()`` frees on each
-flex backend between two training steps, beside the memory planner's prediction.
+"""The memory report's colocated-RL rows: what ``reset_fused_a2a_buffers(collective=True)``
+frees on each flex backend between two training steps, beside the memory planner's prediction.
 
 Colocated RL frameworks (vLLM's sleep mode, verl) free NCCL communicator memory between
 training and rollout and keep the MoE all-to-all buffers resident. The loop measured here is
@@ -113,7 +113,7 @@ def rank_loop(backend: str, release: bool, tokens: int = TOKENS) -> Dict[str, An
         out["mismatches"] = compare_terms(planned, emulated) if emulated else None
         gc.collect()
         before = cpu_memory.settled()
-        fused_a2a.reset_fused_a2a_buffers()
+        fused_a2a.reset_fused_a2a_buffers(collective=True)
         gc.collect()
         freed = before - cpu_memory.settled()
         cpu_memory.reset_peak_memory_stats()

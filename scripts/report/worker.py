@@ -514,10 +514,11 @@ def train(cfg: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def comm_buffer_release(clock) -> Dict[str, Any]:
-    """The flex dispatcher's communication buffers before and after ``reset_fused_a2a_buffers()``
-    (where the tree has it): the bytes the emulation allocates for them (counted by the
-    allocator), and on a GPU the device memory outside the caching allocator that the release
-    returns (``mem_get_info``), which is where the real deep_ep buffers live."""
+    """The flex dispatcher's communication buffers before and after
+    ``reset_fused_a2a_buffers(collective=True)`` (where the tree has it): the bytes the
+    emulation allocates for them (counted by the allocator), and on a GPU the device memory
+    outside the caching allocator that the release returns (``mem_get_info``), which is where
+    the real deep_ep buffers live."""
     from cpu_runtime.compat import held_comm_buffers
     from megatron.core.transformer.moe import fused_a2a
 
@@ -543,7 +544,7 @@ def comm_buffer_release(clock) -> Dict[str, Any]:
     _sync()
     before = clock.mem.memory_allocated()
     free_before = torch.cuda.mem_get_info(clock.device)[0] if cuda else None
-    release()
+    release(collective=True)
     gc.collect()
     _sync()
     out["allocator_bytes_released"] = before - clock.mem.memory_allocated()

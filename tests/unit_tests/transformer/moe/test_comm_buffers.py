@@ -92,7 +92,7 @@ def rank_teardown(backend: str):
     gc.collect()
     res = {"in_use": _buffer(backend) is not None, "nbytes": nbytes}
     res["freed_by_teardown"] = before - mem.settled()
-    fused_a2a.reset_fused_a2a_buffers()
+    fused_a2a.reset_fused_a2a_buffers(collective=True)
     gc.collect()
     res.update(alive=ref() is not None, freed=before - mem.settled())
     return res
@@ -100,14 +100,13 @@ def rank_teardown(backend: str):
 
 @pytest.mark.parametrize("backend", ["hybridep", "deepep"])
 def test_destroy_model_parallel_releases_the_buffer(dist_job, patched_tree, backend):
-    """The teardown takes every buffer out of use. HybridEP's is freed there (its destructor is
-    local); DeepEP's destroy() synchronizes with the peers, so the teardown leaves it to the
-    next collective point, here the collective release, which frees exactly its bytes."""
+    """The teardown takes every buffer out of use and frees none (a free may wait for the peers:
+    DeepEP's destroy() runs a barrier with them, HybridEP's destructor synchronizes the device);
+    the next collective point, here the collective release, frees exactly its bytes."""
     for rank, res in enumerate(dist_job(f"{THIS}:rank_teardown", 2, patched_tree, backend=backend)):
         assert not res["in_use"] and not res["alive"], f"rank {rank}: {res}"
         assert res["nbytes"] > 0 and res["freed"] == res["nbytes"], f"rank {rank}: {res}"
-        by_teardown = res["nbytes"] if backend == "hybridep" else 0
-        assert res["freed_by_teardown"] == by_teardown, f"rank {rank}: {res}"
+        assert res["freed_by_teardown"] == 0, f"rank {rank}: {res}"
 
 
 def rank_reinit(first_ep: int, second_ep: int, restore: bool = False):
@@ -154,8 +153,8 @@ def test_hybridep_buffer_rebinds_after_reinitialization(
 ):
     """After a teardown and a re-initialization the next dispatch runs on a buffer of the new
     group, also when a fixture assigns the old buffer back to fused_a2a._hybrid_ep_buffer: that
-    buffer is filed under the old group it was made for and serves no other's peers (the
-    series at 3c43fe0 gave it to the new group's dispatch)."""
+    buffer serves no other group's peers, and the new group's allocation drops it (the series
+    at 3c43fe0 gave it to the new group's dispatch; at 9ee7333 it stayed beside the new one)."""
     again = dist_job(
         f"{THIS}:rank_reinit", 4, patched_tree, first_ep=first_ep, second_ep=second_ep,
         restore=restore,
@@ -164,7 +163,9 @@ def test_hybridep_buffer_rebinds_after_reinitialization(
     for rank, (a, f) in enumerate(zip(again, fresh)):
         assert a["bound_to_call_group"], f"rank {rank}: {a}"
         assert not a["bound_to_old_group"] or restore, f"rank {rank}: {a}"
-        assert a["restored_is_named"] == restore, f"rank {rank}: {a}"
+        # A restored buffer of the old group (same ranks) is dropped by the new group's
+        # allocation: it serves nobody any more.
+        assert not a["restored_is_named"], f"rank {rank}: {a}"
         assert a["buffer_group_size"] == second_ep
         assert torch.equal(a["out"], f["out"]) and torch.equal(a["grad"], f["grad"]), rank
 
@@ -198,7 +199,7 @@ def rank_growth(backend: str):
     peak = mem.max_memory_allocated() - before
     # What the old buffer's destroy() left allocated (DeepEP's RDMA receive counter).
     kept = sum(t.nbytes for t in emu.LEAKED_BUFFERS[leaked:])
-    fused_a2a.reset_fused_a2a_buffers()
+    fused_a2a.reset_fused_a2a_buffers(collective=True)
     return {"old": old, "new": new, "peak": peak, "kept": kept}
 
 
@@ -222,8 +223,8 @@ def rank_offload(backend: str, release: bool):
     init_megatron(ep=dist.get_world_size())
     out = {}
     if release:  # idempotent and safe before any dispatch
-        fused_a2a.reset_fused_a2a_buffers()
-        fused_a2a.reset_fused_a2a_buffers()
+        fused_a2a.reset_fused_a2a_buffers(collective=True)
+        fused_a2a.reset_fused_a2a_buffers(collective=True)
     layer, _, _ = _layer_step(backend, dist.get_world_size())
     with torch.no_grad():
         for p in layer.parameters():
@@ -235,8 +236,8 @@ def rank_offload(backend: str, release: bool):
     if release:
         gc.collect()
         before = mem.memory_allocated()
-        fused_a2a.reset_fused_a2a_buffers()
-        fused_a2a.reset_fused_a2a_buffers()
+        fused_a2a.reset_fused_a2a_buffers(collective=True)
+        fused_a2a.reset_fused_a2a_buffers(collective=True)
         gc.collect()
         out["freed"] = before - mem.memory_allocated()
         out["nbytes_released"] = None if first_ref() is None else first_ref().nbytes
@@ -371,7 +372,7 @@ def rank_capture_guard(backend: str):
         layer(harness.seeded((TOKENS, 1, layer.config.hidden_size), 3))
     out = {}
     try:
-        fused_a2a.reset_fused_a2a_buffers()
+        fused_a2a.reset_fused_a2a_buffers(collective=True)
         out["refused"] = None
     except RuntimeError as exc:
         out["refused"] = str(exc)
@@ -379,13 +380,14 @@ def rank_capture_guard(backend: str):
     nbytes = _buffer(backend).nbytes if out["kept"] else 0
     gc.collect()
     before = mem.settled()
-    fused_a2a.reset_fused_a2a_buffers(graphs_released=True)
+    fused_a2a.reset_fused_a2a_buffers(collective=True, graphs_released=True)
     gc.collect()
     out.update(nbytes=nbytes, freed=before - mem.settled(), gone=_buffer(backend) is None)
     return out
 
 
-@pytest.mark.parametrize("backend", ["hybridep", "deepep"])
+# DeepEP's normal-mode dispatch waits on the host: a CUDA graph never captures it.
+@pytest.mark.parametrize("backend", ["hybridep"])
 def test_release_refuses_while_a_captured_graph_holds_the_buffer(dist_job, patched_tree, backend):
     """A CUDA graph that captured a dispatch keeps raw pointers into the buffer: the release
     raises (naming the fix) and frees nothing; once the caller says the graphs are gone it
@@ -411,7 +413,7 @@ def rank_release_waits_for_peers(backend: str, delay: float):
     if dist.get_rank() == 1:
         time.sleep(delay)
     entered = time.time()
-    fused_a2a.reset_fused_a2a_buffers()
+    fused_a2a.reset_fused_a2a_buffers(collective=True)
     return {"entered": entered, "left": time.time(), "gone": _buffer(backend) is None}
 
 
@@ -555,11 +557,10 @@ def test_restart_after_an_abort_keeps_memory_flat(dist_job, patched_tree, backen
         assert res["warnings"] == [], (rank, res)
 
 
-def rank_release_in_one_order():
-    """Rank side: HybridEP buffers on three groups both ranks share, made in one order (their
-    creation is collective), then held in different orders on the two ranks, as a rank-local
-    re-insertion leaves them (a fixture restoring a saved buffer, one re-made after growth).
-    Both ranks release them."""
+def rank_release_holding_different_buffers():
+    """Rank side: a HybridEP buffer on a group of both ranks (its creation is collective); rank 1
+    then drops its own (reset_hybrid_ep_buffer, a fixture's assignment: ranks can hold different
+    sets). Both ranks release collectively."""
     import time
 
     from cpu_runtime.compat import held_comm_buffers
@@ -567,72 +568,77 @@ def rank_release_in_one_order():
     from megatron.core.transformer.moe import fused_a2a
 
     init_megatron(ep=2)
-    groups = [dist.new_group([0, 1]) for _ in range(3)]
-    for group in groups:
-        fused_a2a.init_hybrid_ep_buffer(
-            group,
-            16,
-            TOKENS,
-            4,
-            num_sms_dispatch_api=16,
-            num_sms_combine_api=16,
-            fp8_dispatch=False,
-        )
-    if dist.get_rank() == 1:  # the first group's buffer is _hybrid_ep_buffer, the others here
-        second = fused_a2a._hybrid_ep_buffers.pop(groups[1])
-        fused_a2a._hybrid_ep_buffers[groups[1]] = second
-    order = [b.group.group_name for b in held_comm_buffers(fused_a2a)]
+    group = dist.new_group([0, 1])
+    fused_a2a.init_hybrid_ep_buffer(
+        group, 16, TOKENS, 4, num_sms_dispatch_api=16, num_sms_combine_api=16, fp8_dispatch=False
+    )
+    if dist.get_rank() == 1:
+        fused_a2a.reset_hybrid_ep_buffer()
+    held = len(held_comm_buffers(fused_a2a))
     start = time.monotonic()
-    fused_a2a.reset_fused_a2a_buffers()
+    fused_a2a.reset_fused_a2a_buffers(collective=True)
     return {
-        "order": order,
+        "held": held,
         "elapsed": time.monotonic() - start,
-        "held": len(held_comm_buffers(fused_a2a)),
+        "left": len(held_comm_buffers(fused_a2a)),
     }
 
 
-def test_groups_held_in_different_orders_do_not_deadlock(dist_job, patched_tree):
-    """The release runs its barriers in one order on every rank (the groups' ranks, then their
-    names), not in each rank's order of its buffers, which would deadlock: one rank in one
-    group's barrier, its peer in another's."""
-    r0, r1 = dist_job(f"{THIS}:rank_release_in_one_order", 2, patched_tree, timeout=60.0)
-    assert r0["order"] != r1["order"] and sorted(r0["order"]) == sorted(r1["order"]), (r0, r1)
+def test_ranks_holding_different_buffers_release_without_deadlock(dist_job, patched_tree):
+    """The collective release is one barrier on one group (the world), whatever buffers each
+    rank holds: a barrier per held buffer's group would leave rank 0 waiting on a group rank 1
+    holds nothing for (the series at 9ee7333 did that)."""
+    r0, r1 = dist_job(
+        f"{THIS}:rank_release_holding_different_buffers", 2, patched_tree, timeout=60.0
+    )
+    assert (r0["held"], r1["held"]) == (1, 0), (r0, r1)
     for rank, res in enumerate((r0, r1)):
-        assert res["held"] == 0 and res["elapsed"] < 5.0, (rank, res)
+        assert res["left"] == 0 and res["elapsed"] < 5.0, (rank, res)
 
 
-def rank_collective_release_after_abort():
-    """Rank side: after a step the groups are destroyed (an abort); the collective release
-    cannot meet on them. What does it raise, and what does it leave?"""
+def rank_collective_release_after_abort(backend: str):
+    """Rank side: after a step the groups megatron created are destroyed (an abort), then the
+    teardown; the job's world still holds every peer, so the collective release over it frees
+    what the teardown took out of use."""
     from cpu_runtime.compat import held_comm_buffers
     from cpu_runtime.moe_harness import init_megatron
     from megatron.core import parallel_state
     from megatron.core.transformer.moe import fused_a2a
 
+    mem = _counter()
     init_megatron(ep=2)
-    _layer_step("hybridep", 2)
-    group = _buffer("hybridep").group
-    dist.destroy_process_group(group)
-    try:
-        fused_a2a.reset_fused_a2a_buffers()
-        error = None
-    except RuntimeError as exc:
-        error = str(exc)
-    held = len(held_comm_buffers(fused_a2a))
-    fused_a2a.reset_fused_a2a_buffers(collective=False)
-    out = {"error": error, "held_after_refusal": held}
-    out["held_after_local"] = len(held_comm_buffers(fused_a2a))
+    _layer_step(backend, 2)
+    ref = weakref.ref(_buffer(backend))
+    nbytes = ref().nbytes
+    world = dist.group.WORLD
+    groups = {g for g in vars(parallel_state).values() if isinstance(g, dist.ProcessGroup)}
+    for group in groups - {world}:
+        dist.destroy_process_group(group)
     parallel_state.destroy_model_parallel()
-    return out
+    gc.collect()
+    before = mem.settled()
+    fused_a2a.reset_fused_a2a_buffers(collective=True)
+    gc.collect()
+    return {
+        "freed": before - mem.settled(),
+        "nbytes": nbytes,
+        "alive": ref() is not None and getattr(ref(), "runtime", None) is not None,
+        "held": len(held_comm_buffers(fused_a2a)),
+    }
 
 
-def test_collective_release_refuses_destroyed_groups(dist_job, patched_tree):
-    """A collective release on a destroyed group would wait for peers that cannot meet there:
-    it raises, naming the release that waits on nobody, before dropping anything."""
-    for rank, out in enumerate(dist_job(f"{THIS}:rank_collective_release_after_abort", 2,
-                                        patched_tree)):  # fmt: skip
-        assert out["error"] and "collective=False" in out["error"], (rank, out)
-        assert out["held_after_refusal"] == 1 and out["held_after_local"] == 0, (rank, out)
+@pytest.mark.parametrize("backend", ["hybridep", "deepep"])
+def test_collective_release_after_an_abort_frees_every_buffer(dist_job, patched_tree, backend):
+    """After an abort the teardown waits on nobody and the collective release (over the world,
+    which the abort kept) frees the buffers the teardown took out of use: nothing is kept for
+    the life of the process. The series at 9ee7333 parked them, unfreed, for good."""
+    for rank, out in enumerate(
+        dist_job(
+            f"{THIS}:rank_collective_release_after_abort", 2, patched_tree, backend=backend
+        )  # fmt: skip
+    ):
+        assert out["held"] == 0 and not out["alive"], (rank, out)
+        assert out["freed"] == out["nbytes"] > 0, (rank, out)
 
 
 def rank_deep_ep_explicit_destroy():
@@ -651,7 +657,7 @@ def rank_deep_ep_explicit_destroy():
     out = {"flag": buffer.explicitly_destroy, "nbytes": buffer.nbytes}
     gc.collect()
     before = mem.settled()
-    fused_a2a.reset_fused_a2a_buffers()
+    fused_a2a.reset_fused_a2a_buffers(collective=True)
     gc.collect()
     out["freed_while_referenced"] = before - mem.settled()
     out["runtime"] = buffer.runtime is not None
@@ -696,14 +702,18 @@ def test_deep_ep_buffer_is_destroyed_explicitly(dist_job, patched_tree):
         assert res["unknown_kwarg"] == "refused"
 
 
-DEEP_EP_WARNING = "destroy() was not called before DeepEP buffer destruction"
+EXITED = "exiting at "
 
 
-def normal_exit_job() -> None:
-    """A training job as a script runs it: one MoE step on DeepEP, then return, and the
-    interpreter exits; no teardown call. Run as a fresh process per rank (the emulation and
+def failing_rank_exit_job() -> None:
+    """A training job as a launcher runs it: one MoE step on DeepEP; then rank 1 fails, catches
+    its exception and exits with sys.exit(1), as torch.multiprocessing.spawn's children and
+    pytest do (no uncaught exception: sys.last_exc stays unset), while rank 0 is busy elsewhere
+    and never reaches any teardown. Run as a fresh process per rank (the emulation and
     placement rules installed as a rank does)."""
     import os
+    import sys
+    import time
 
     from cpu_runtime import placement
     from cpu_runtime.compat import install_kernel_emulations
@@ -716,81 +726,55 @@ def normal_exit_job() -> None:
     layer = build_moe_layer(moe_config("deepep", dist.get_world_size()))
     y, _ = layer(torch.randn(TOKENS, 1, layer.config.hidden_size).requires_grad_())
     y.sum().backward()
+    if dist.get_rank() == 0:
+        time.sleep(20)  # busy elsewhere: no collective of rank 1's can complete meanwhile
+        os._exit(0)
+    try:
+        raise RuntimeError("a failure on this rank")
+    except RuntimeError:
+        print(f"{EXITED}{time.time()}", flush=True)
+        sys.exit(1)
 
 
-@pytest.mark.guard
-def test_a_normal_exit_prints_no_deep_ep_warning(patched_tree):
-    """DeepEP's ~Buffer prints its warning for a buffer built with explicitly_destroy and
-    never destroyed (csrc/deep_ep.cpp:209-216; the emulation prints it the same way, to
-    stdout): a job that returns and exits normally destroys its buffer at exit and prints
-    none. Two fresh rank processes, bounded, always reaped."""
+def test_a_rank_exiting_after_a_caught_exception_waits_on_no_peer(patched_tree):
+    """A rank that exits with sys.exit(1) after catching its failure runs no collective on its
+    way out: it leaves at once (deep_ep may print that destroy() was not called; the driver
+    frees the memory), while its peer is still busy. The series at 9ee7333 ran DeepEP's
+    collective destroy() from an atexit hook there (sys.last_exc is unset after a caught
+    exception) and waited for the peer; the unpatched base runs it from the buffer's
+    destructor at interpreter exit. Two fresh rank processes, bounded, always reaped."""
     import subprocess
     import sys
+    import time
 
     from cpu_runtime.launcher import free_port, rank_env
 
     port = free_port()
-    code = f"from {THIS} import normal_exit_job; normal_exit_job()"
+    code = f"from {THIS} import failing_rank_exit_job; failing_rank_exit_job()"
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code],
             env=rank_env(patched_tree, rank, 2, port),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
+            text=True,
         )
         for rank in range(2)
     ]
     try:
-        outs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
+        deadline = time.monotonic() + 240
+        while procs[1].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ended = time.time()
+        out = procs[1].communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
     finally:
         for p in procs:
             p.kill()
             p.wait()
-    for rank, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {rank}: exit {p.returncode}\n{out[-3000:]}"
-        assert DEEP_EP_WARNING not in out, f"rank {rank}:\n{out[-3000:]}"
-
-
-def rank_exit_hook(backend: str):
-    """The exit hook after an uncaught exception (sys.last_exc set, as the interpreter sets it
-    when it prints one) and after a normal run, with the layer (DeepEP v2: its manager's
-    ``self.buffer``) still referencing the buffer."""
-    import sys
-
-    from cpu_runtime.moe_harness import init_megatron
-    from megatron.core.transformer.moe import fused_a2a
-
-    init_megatron(ep=dist.get_world_size())
-    layer, _, _ = _layer_step(backend, dist.get_world_size())
-    buffer = _buffer(backend)
-    runtime = buffer.runtime
-    destroyed = (lambda: runtime.destroyed) if backend == "deepepv2" else (
-        lambda: buffer.runtime is None)  # fmt: skip
-    sys.last_exc = RuntimeError("the job failed")
-    try:
-        fused_a2a._destroy_deep_ep_buffers_at_exit()
-        kept = _buffer(backend) is buffer and not destroyed()
-    finally:
-        del sys.last_exc
-    fused_a2a._destroy_deep_ep_buffers_at_exit()
-    out = {"kept_after_exception": kept, "destroyed": destroyed()}
-    del layer
-    return out
-
-
-@pytest.mark.parametrize(
-    "backend", ["deepep", pytest.param("deepepv2", marks=pytest.mark.flex_backend("deepepv2"))]
-)
-def test_the_exit_hook_destroys_nothing_after_an_uncaught_exception(
-    dist_job, patched_tree, backend
-):
-    """After an uncaught exception a peer may never reach destroy()'s barrier, so the hook
-    leaves the buffer (deep_ep then warns, as without the hook); after a normal run it
-    destroys it, DeepEP v2's too while a manager still references it."""
-    for rank, out in enumerate(
-        dist_job(f"{THIS}:rank_exit_hook", 2, patched_tree, backend=backend)
-    ):
-        assert out["kept_after_exception"] and out["destroyed"], (rank, out)
+    assert procs[1].returncode == 1, out[-3000:]
+    marker = [line for line in out.splitlines() if line.startswith(EXITED)]
+    assert marker, out[-3000:]
+    assert ended - float(marker[0][len(EXITED) :]) < 5.0, out[-3000:]
 
 
 def rank_teardown_without_fused_a2a():

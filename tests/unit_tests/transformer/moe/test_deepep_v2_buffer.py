@@ -86,7 +86,7 @@ def rank_pending_backward():
     with torch.no_grad():  # the next dispatch, which no backward follows
         layer(inputs[0])
     out["held"]["next dispatch"] = _live_v2_bytes()
-    fused_a2a.reset_fused_a2a_buffers()
+    fused_a2a.reset_fused_a2a_buffers(collective=True)
     gc.collect()
     out["held"]["released"] = _live_v2_bytes()
     # The reference: each backward right after its forward.
@@ -139,7 +139,7 @@ def rank_growth_without_pending():
     fused_a2a.get_elastic_buffer(group, 16, HIDDEN, 2)
     peak = cpu_memory.max_memory_allocated() - before
     new = _live_v2_bytes()
-    fused_a2a.reset_fused_a2a_buffers()
+    fused_a2a.reset_fused_a2a_buffers(collective=True)
     return {"old": old, "new": new, "peak": peak, "after": _live_v2_bytes()}
 
 
@@ -214,7 +214,7 @@ def rank_one_rank_raises_with_a_backward_pending():
     out = {"destroyed_alone": rank == 1 and runtime.destroyed}
     dist.barrier()
     pending = None
-    fused_a2a.reset_fused_a2a_buffers()
+    fused_a2a.reset_fused_a2a_buffers(collective=True)
     return out
 
 

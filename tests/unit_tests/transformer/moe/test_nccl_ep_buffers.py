@@ -174,8 +174,8 @@ def rank_release_between_steps(zero_copy: bool):
     gc.collect()
     want = _held_bytes(zero_copy)
     before = mem.settled()
-    fused_a2a.reset_fused_a2a_buffers()
-    fused_a2a.reset_fused_a2a_buffers()  # idempotent
+    fused_a2a.reset_fused_a2a_buffers(collective=True)
+    fused_a2a.reset_fused_a2a_buffers(collective=True)  # idempotent
     gc.collect()
     out = {
         "want": want,
@@ -264,14 +264,14 @@ def rank_two_groups():
     config = _config(2, zero_copy=False)
     a, b = _dispatcher(config), _dispatcher(config, other)
     out = {"b_first": _step(b, 2)}
-    fused_a2a.reset_fused_a2a_buffers()
+    fused_a2a.reset_fused_a2a_buffers(collective=True)
     _step(a, 1)
     try:
         out["b_with_a_live"] = _step(b, 2)
         out["error"] = None
     except RuntimeError as exc:
         out["error"] = str(exc)
-    fused_a2a.reset_fused_a2a_buffers()
+    fused_a2a.reset_fused_a2a_buffers(collective=True)
     out["b_alone"] = _step(b, 2)
     return out
 
@@ -329,12 +329,12 @@ def rank_capture_guard():
         _step(dispatcher, 4)
     out = {}
     try:
-        fused_a2a.reset_fused_a2a_buffers()
+        fused_a2a.reset_fused_a2a_buffers(collective=True)
         out["refused"] = None
     except RuntimeError as exc:
         out["refused"] = str(exc)
     out["kept"] = te.installed()._BOOTSTRAPPED
-    fused_a2a.reset_fused_a2a_buffers(graphs_released=True)
+    fused_a2a.reset_fused_a2a_buffers(collective=True, graphs_released=True)
     out["gone"] = not te.installed()._BOOTSTRAPPED
     return out
 
@@ -359,14 +359,14 @@ def rank_local_release_leaves_the_context():
     _step(dispatcher, 3)
     with harness.capturing(fused_a2a):  # a graph that may still replay on the context
         _step(dispatcher, 4)
-    fused_a2a.reset_fused_a2a_buffers(collective=False)
+    fused_a2a.reset_fused_a2a_buffers()
     out = {"bootstrapped": te.installed()._BOOTSTRAPPED}
     try:
-        fused_a2a.reset_fused_a2a_buffers()
+        fused_a2a.reset_fused_a2a_buffers(collective=True)
         out["collective"] = "released"
     except RuntimeError as exc:
         out["collective"] = str(exc)
-    fused_a2a.reset_fused_a2a_buffers(graphs_released=True)
+    fused_a2a.reset_fused_a2a_buffers(collective=True, graphs_released=True)
     out["after"] = te.installed()._BOOTSTRAPPED
     parallel_state.destroy_model_parallel()
     return out

@@ -25,7 +25,6 @@ import copy
 import functools
 import gc
 import inspect
-import time
 import weakref
 
 import pytest
@@ -99,7 +98,8 @@ class _CapturingTorch:
 
 
 def test_reset_fused_a2a_buffers_is_idempotent_without_buffers():
-    """Safe before any dispatch, and any number of times."""
+    """The release that waits on nobody: safe before any dispatch, any number of times, with no
+    process group."""
     fused_a2a.reset_fused_a2a_buffers()
     fused_a2a.reset_fused_a2a_buffers()
     assert fused_a2a.get_hybrid_ep_buffer(None) is None
@@ -131,7 +131,7 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
         buffer_ref = weakref.ref(buffer) if backend != "ncclep" else lambda: None
         del buffer
 
-        fused_a2a.reset_fused_a2a_buffers()
+        fused_a2a.reset_fused_a2a_buffers(collective=True)
         gc.collect()
         assert _held_buffer(backend) is None, f"the {backend} buffer outlives the release"
         assert buffer_ref() is None, f"the released {backend} buffer is still referenced"
@@ -169,12 +169,12 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
         layers = {"A": build_moe_layer("ncclep"), "B": build_moe_layer("ncclep", pgc_b)}
         inputs = {"A": make_input(1000), "B": make_input(2000)}
         alone = forward_backward(layers["B"], inputs["B"])
-        fused_a2a.reset_fused_a2a_buffers()
+        fused_a2a.reset_fused_a2a_buffers(collective=True)
 
         forward_backward(layers["A"], inputs["A"])
         with pytest.raises(RuntimeError, match="reset_fused_a2a_buffers"):
             run_forward(layers["B"], inputs["B"])
-        fused_a2a.reset_fused_a2a_buffers()
+        fused_a2a.reset_fused_a2a_buffers(collective=True)
         after = forward_backward(layers["B"], inputs["B"])
         assert_bitwise_equal(after, alone, "layer B after the release")
         assert _nccl_ep_group() is layers["B"].token_dispatcher.tp_ep_group
@@ -209,76 +209,34 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
-    def test_reset_barriers_every_group_before_freeing(self, monkeypatch):
-        """reset_fused_a2a_buffers() is collective: it runs a barrier on every held buffer's
-        group while all of them are still held, then frees them."""
-        group_a, group_b = self._hold_buffers_on_two_groups()
-        held = _held_buffers()
-        groups = {"A": group_a, "B": group_b}
-        groups = {k: g for k, g in groups.items() if any(b.group is g for b in held)}
-        refs = [weakref.ref(b) for b in held]
-        del held
-
-        def still_held() -> int:
-            return len(_held_buffers())
-
+    def test_collective_reset_barriers_before_freeing(self, monkeypatch):
+        """reset_fused_a2a_buffers(collective=True) is a collective over the world (or the group
+        given): one barrier, while every buffer is still held, then it frees them all. One
+        barrier on one group, whatever each rank holds: ranks holding buffers of different groups
+        cannot wait for each other on different ones."""
+        self._hold_buffers_on_two_groups()
+        refs = [weakref.ref(b) for b in _held_buffers()]
         barriers = []
         real_barrier = torch.distributed.barrier
 
         def recording_barrier(*args, **kwargs):
-            barriers.append((kwargs.get("group", args[0] if args else None), still_held()))
+            barriers.append((kwargs.get("group", args[0] if args else None), len(_held_buffers())))
             return real_barrier(*args, **kwargs)
 
         with monkeypatch.context() as m:
             m.setattr(torch.distributed, "barrier", recording_barrier)
-            fused_a2a.reset_fused_a2a_buffers()
+            fused_a2a.reset_fused_a2a_buffers(collective=True)
         gc.collect()
-        assert groups, "no buffer held"
-        for name, group in groups.items():
-            assert (group, len(refs)) in barriers, (
-                f"no barrier on group {name} while all {len(refs)} buffers were held: "
-                f"{[(g is group_a, g is group_b, n) for g, n in barriers]}"
-            )
-        assert still_held() == 0 and all(r() is None for r in refs), "buffers left after reset"
-
-    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
-    @pytest.mark.internal
-    def test_reset_barriers_in_one_order_on_every_rank(self, monkeypatch):
-        """The barriers run in one order on every rank (by the groups' ranks), not in the
-        rank's order of its buffers, which is rank-local (a buffer re-made or restored on one
-        rank moves to the end): two ranks sharing two groups must not wait on different ones.
-        Odd ranks hold their buffers in the opposite order here."""
-        if not fused_a2a.HAVE_HYBRIDEP:
-            pytest.skip("needs HybridEP (a buffer per group)")
-        self._hold_buffers_on_two_groups()
-        rank = torch.distributed.get_rank()
-        if rank % 2:  # the other group's buffer in the module global, this one's beside it
-            first = fused_a2a._hybrid_ep_buffer
-            ((group, second),) = fused_a2a._hybrid_ep_buffers.items()
-            fused_a2a._hybrid_ep_buffer = second
-            fused_a2a._hybrid_ep_buffers.clear()
-            fused_a2a._hybrid_ep_buffers[first.group] = first
-            del first, second
-        barriers = []
-
-        def recording_barrier(group=None, async_op=False, **kwargs):
-            barriers.append(group)
-
-        with monkeypatch.context() as m:
-            m.setattr(torch.distributed, "barrier", recording_barrier)
-            fused_a2a.reset_fused_a2a_buffers()
-        ranks = [torch.distributed.get_process_group_ranks(g) for g in barriers]
-        assert len(ranks) == 2 and ranks == sorted(
-            ranks
-        ), f"rank {rank} ran its barriers in its buffers' order: {ranks}"
+        assert refs, "no buffer held"
+        assert barriers == [(None, len(refs))], f"barriers (group, buffers held): {barriers}"
+        assert not _held_buffers() and all(r() is None for r in refs), "buffers left after reset"
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
     def test_destroy_model_parallel_waits_on_no_peer(self, monkeypatch):
-        """destroy_model_parallel() runs no collective for the buffers, so a peer that never
-        reaches the teardown (stuck in a collective, or a test that failed on its rank) cannot
-        hold it: the HybridEP buffers are dropped and the DeepEP buffer taken out of use, not
-        destroyed (its destroy() synchronizes with the peers)."""
+        """destroy_model_parallel() runs no collective for the buffers and frees none, so a peer
+        that never reaches the teardown (stuck in a collective, or a test that failed on its
+        rank) cannot hold it: the buffers are taken out of use, for the next dispatch to free."""
         Utils.initialize_model_parallel(expert_model_parallel_size=4)
         events = self._record_deep_ep_buffers(monkeypatch) if fused_a2a.HAVE_DEEP_EP else []
         self._hold_buffers(parallel_state.get_expert_model_parallel_group())
@@ -289,15 +247,13 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
 
         with monkeypatch.context() as m:
             m.setattr(torch.distributed, "barrier", no_barrier)
-            start = time.monotonic()
             parallel_state.destroy_model_parallel()
-            elapsed = time.monotonic() - start
         Utils.inited = False  # torn down here, without Utils' barrier
         gc.collect()
-        assert elapsed < 10.0, f"destroy_model_parallel() took {elapsed:.1f} s"
         assert not _held_buffers() and refs, "a buffer is still in use after the teardown"
+        assert all(r() is not None for r in refs), "the teardown freed a buffer"
         assert "destroy 0" not in events, f"the teardown destroyed the DeepEP buffer: {events}"
-        fused_a2a.reset_deep_ep_buffer()  # every peer is here in this test
+        fused_a2a.reset_fused_a2a_buffers(collective=True)  # every peer is here in this test
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
@@ -320,7 +276,8 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
-    @pytest.mark.parametrize("moe_flex_dispatcher_backend", ["deepep", "hybridep", "ncclep"])
+    # DeepEP's normal-mode dispatch waits on the host: a CUDA graph never captures it.
+    @pytest.mark.parametrize("moe_flex_dispatcher_backend", ["hybridep", "ncclep"])
     def test_reset_refuses_while_a_captured_dispatch_may_replay(
         self, moe_flex_dispatcher_backend, monkeypatch
     ):
@@ -337,13 +294,13 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
                 m.setattr(fused_a2a, "torch", _CapturingTorch())
                 layer(inp)  # "captured"
         with pytest.raises(RuntimeError, match="graphs_released=True"):
-            fused_a2a.reset_fused_a2a_buffers()
+            fused_a2a.reset_fused_a2a_buffers(collective=True)
         buffer = _held_buffer(backend)
         assert buffer is not None, f"the refused release dropped the {backend} buffer"
         buffer_ref = weakref.ref(buffer) if backend != "ncclep" else lambda: None
         del buffer
 
-        fused_a2a.reset_fused_a2a_buffers(graphs_released=True)
+        fused_a2a.reset_fused_a2a_buffers(collective=True, graphs_released=True)
         gc.collect()
         assert _held_buffer(backend) is None and buffer_ref() is None
 
@@ -421,7 +378,7 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
         group = parallel_state.get_expert_model_parallel_group()
         events = self._record_deep_ep_buffers(monkeypatch)
         buffer = fused_a2a.get_buffer(group, HIDDEN_SIZE * 2)
-        fused_a2a.reset_fused_a2a_buffers()
+        fused_a2a.reset_fused_a2a_buffers(collective=True)
         assert fused_a2a._buffer is None
         assert events == [
             "create 0",
@@ -442,7 +399,7 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
         forward_backward(layer, make_input())
         buffer = fused_a2a._elastic_buffer
         assert buffer is not None, "no DeepEP v2 buffer after a dispatch"
-        fused_a2a.reset_fused_a2a_buffers()
+        fused_a2a.reset_fused_a2a_buffers(collective=True)
         assert fused_a2a._elastic_buffer is None
         # ElasticBuffer.destroy() drops its runtime (deep_ep/buffers/elastic.py); the layer's
         # manager still references the buffer.

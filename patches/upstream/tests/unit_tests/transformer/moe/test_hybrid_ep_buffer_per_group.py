@@ -144,7 +144,7 @@ def release_buffers() -> None:
     the communication-buffer lifecycle, e.g. when bisecting), synchronize and drop them."""
     reset = getattr(fused_a2a, "reset_fused_a2a_buffers", None)
     if reset is not None:
-        reset(graphs_released=True)
+        reset(collective=True, graphs_released=True)
         return
     torch.cuda.synchronize()
     torch.distributed.barrier()
