@@ -129,15 +129,23 @@ indices and weights and scales. The barrier block only with an NVLink buffer
 ``destroy()`` frees all but the RDMA receive counter (``deep_ep.cpp:269-309``).
 ``explicitly_destroy`` is honoured as deep_ep does: ``destroy()`` needs it, is collective, and
 leaves the buffer unusable; a flagged buffer dropped without it stays allocated (deep_ep leaks
-it) and the destructor's warning is printed.
+it) and the destructor's warning is printed. A buffer built without the flag is destroyed by its
+destructor (``~Buffer``, ``deep_ep.cpp:209-211``), collective too. The collective is
+``intranode::barrier`` across the NVLink peers (``deep_ep.cpp:276-277``, only with an NVLink
+buffer), which runs over IPC-mapped signals and not over the process group: the emulation
+rendezvouses the peers on the job's store (:class:`cpu_runtime.faults.Fabric`), logged as a
+device-side collective with the context it ran from, and bounded: a peer that never arrives
+makes it raise "a GPU would trap" (the kernel's timeout), in the destructor printed to stderr
+with the bytes kept.
 """
 
+import os
 from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from cpu_runtime import placement
+from cpu_runtime import faults, placement
 from cpu_runtime.emulation_common import (
     BufferTerm,
     EventOverlap,
@@ -253,11 +261,19 @@ LEAKED_BUFFERS: List[torch.Tensor] = []
 
 
 class _EmulatedRuntime:
-    """Stand-in for ``deep_ep_cpp.Buffer``: its ``destroy()`` is collective over the group."""
+    """Stand-in for ``deep_ep_cpp.Buffer``: its ``destroy()`` (``csrc/deep_ep.cpp:269-309``)
+    synchronizes the device and, with an NVLink buffer, runs ``intranode::barrier`` across the
+    NVLink peers (``deep_ep.cpp:276-277``): a device-side collective over the IPC-mapped
+    barrier signals, not over the process group, so it rendezvouses (and hangs) whatever became
+    of the group. Emulated by :class:`cpu_runtime.faults.Fabric` (a bounded barrier on the
+    job's store; past its bound it raises, as the kernel traps)."""
 
-    def destroy(self, group: Optional[dist.ProcessGroup]) -> None:
-        if group is not None and dist.is_initialized():
-            dist.barrier(group=group)
+    def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int) -> None:
+        self.fabric = faults.Fabric(group, "deepep") if num_nvl_bytes > 0 else None
+
+    def destroy(self) -> None:
+        if self.fabric is not None:
+            self.fabric.barrier("deepep destroy barrier")
 
 
 class _DeepEPHandle(tuple):
@@ -324,7 +340,7 @@ class Buffer:
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         # The C++ runtime; destroy() sets it to None, as the real one does (buffer.py:143).
-        self.runtime = _EmulatedRuntime()
+        self.runtime = _EmulatedRuntime(group, num_nvl_bytes)
         self.terms = buffer_terms(num_nvl_bytes, num_rdma_bytes)
         # One device allocation for the NVLink buffer with its barrier signals and pointers,
         # the workspace and the RDMA buffer; the mapped pinned receive counters apart, the RDMA
@@ -336,6 +352,7 @@ class Buffer:
         counters = sum(t.nbytes for t in self.terms if t.name in _PINNED and t.released)
         self.host_counters = torch.empty(counters, dtype=torch.uint8, device="cpu", pin_memory=pin)
         self.rdma_counter = torch.empty(4, dtype=torch.uint8, device="cpu", pin_memory=pin)
+        faults.register_buffer(self)
 
     @property
     def nbytes(self) -> int:
@@ -350,28 +367,39 @@ class Buffer:
         and the buffer's peers (an intranode barrier: collective over the group, emulated by a
         barrier on it), frees the buffer, and leaves ``runtime`` None, so any later use fails."""
         assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
-        self.runtime.destroy(self.group)
+        self._destroy()
+
+    def _destroy(self, _leaked=LEAKED_BUFFERS) -> None:
+        """C++ ``Buffer::destroy()``: the peers' barrier, then the frees (a barrier that timed
+        out raises first and frees nothing, as the trapped kernel leaves the context)."""
+        self.runtime.destroy()
         self.runtime = None
         self.memory = self.host_counters = None
-        LEAKED_BUFFERS.append(self.rdma_counter)  # never freed (deep_ep.cpp:299-304)
+        _leaked.append(self.rdma_counter)  # never freed (deep_ep.cpp:299-304)
 
     def _check_runtime(self) -> None:
         # The real methods call self.runtime.<kernel>(...), which fails once destroy() has run.
         if self.runtime is None:
             raise AttributeError("'NoneType' object has no attribute 'get_local_device_id'")
 
-    def __del__(self) -> None:
+    def __del__(self, _write=os.write, _faults=faults, _leaked=LEAKED_BUFFERS) -> None:
         # C++ ~Buffer (csrc/deep_ep.cpp:209-216): with explicitly_destroy and no destroy(), the
         # resources are not released (it warns); the emulation keeps the bytes allocated.
+        # Without explicitly_destroy it calls destroy(): the peers' barrier, from wherever the
+        # last reference went (a finalizer, a garbage collection, the interpreter's exit: the
+        # module globals it needs are bound here, as finalization may clear them first).
         if getattr(self, "explicitly_destroy", False) and getattr(self, "runtime", None):
-            print(  # printf to stdout, then fflush(stdout), as deep_ep.cpp:213-214
+            _faults.printf(  # printf to stdout, then fflush(stdout), as deep_ep.cpp:213-214
                 "WARNING: destroy() was not called before DeepEP buffer destruction, which can "
-                "leak resources.",
-                flush=True,
+                "leak resources."
             )
-            LEAKED_BUFFERS.extend((self.memory, self.host_counters, self.rdma_counter))
+            _leaked.extend((self.memory, self.host_counters, self.rdma_counter))
         elif getattr(self, "runtime", None) is not None:  # ~Buffer calls destroy()
-            LEAKED_BUFFERS.append(self.rdma_counter)
+            try:
+                self._destroy()
+            except _faults.DeviceBarrierTimeout as exc:
+                _write(2, f"{exc}\n".encode())
+                _leaked.extend((self.memory, self.host_counters, self.rdma_counter))
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:

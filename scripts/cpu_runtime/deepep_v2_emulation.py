@@ -126,7 +126,12 @@ the real kernels would mis-address each other's slots.
 **Lifetime** (``buffer.hpp:127-151``, ``elastic.py:229-238``): the constructor is collective
 (a barrier on the group). ``destroy()`` (only with ``explicitly_destroy``; a second call does
 nothing) runs the C++ ``destroy()``: a GPU barrier across the group's ranks with device
-synchronizations, then frees the window and the host workspace. The C++ destructor, when the
+synchronizations (``barrier(true, true)``, ``buffer.hpp:141``), then frees the window and the
+host workspace. That barrier runs on the device over the NCCL window, not over the process
+group: the emulation rendezvouses the peers on the job's store
+(:class:`cpu_runtime.faults.Fabric`), logged as a device-side collective with the context it ran
+from, and bounded (a peer that never arrives makes it raise "a GPU would trap"; from the
+destructor that is printed to stderr and the bytes are kept). The C++ destructor, when the
 last reference to the runtime goes: without ``explicitly_destroy`` it runs that collective
 ``destroy()`` there; with it and no ``destroy()``, it prints DeepEP's warning to stdout and frees
 nothing (the emulation keeps the bytes allocated in :data:`LEAKED_BUFFERS`). A job's teardown
@@ -134,12 +139,14 @@ nothing (the emulation keeps the bytes allocated in :data:`LEAKED_BUFFERS`). A j
 exit frees device memory without a collective.
 """
 
+import os
 import weakref
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
+from cpu_runtime import faults
 from cpu_runtime.emulation_common import (
     EventHandle,
     EventOverlap,
@@ -267,6 +274,9 @@ class _ElasticRuntime:
     def __init__(self, group, num_bytes: int, explicitly_destroy: bool) -> None:
         _refuse(num_bytes % 16 == 0, "nccl.cu:135-137", "window size % 16 == 0")
         self.group = group
+        # The peers destroy()'s GPU barrier waits for (buffer.hpp:141, barrier(true, true)):
+        # over the NCCL window, not over the process group (cpu_runtime.faults.Fabric).
+        self.fabric = faults.Fabric(group, "deepepv2")
         self.explicitly_destroy = explicitly_destroy
         self.destroyed = False
         self.exiting = False
@@ -281,27 +291,32 @@ class _ElasticRuntime:
         """``ElasticBuffer::destroy()`` (``buffer.hpp:137-151``): a barrier across the group
         (collective), then the host workspace and the window are freed."""
         _refuse(not self.destroyed, "buffer.hpp:138", "not destroyed")
-        if not self.exiting and self.group is not None and dist.is_initialized():
-            dist.barrier(group=self.group)
+        if not self.exiting:
+            self.fabric.barrier("deepepv2 destroy barrier")
         self.window = None
         self.host_workspace = None
         self.destroyed = True
 
-    def __del__(self) -> None:
-        # ~ElasticBuffer (buffer.hpp:127-135).
+    def __del__(self, _write=os.write, _faults=faults, _leaked=LEAKED_BUFFERS) -> None:
+        # ~ElasticBuffer (buffer.hpp:127-135): without explicitly_destroy, destroy() and its GPU
+        # barrier run from wherever the last reference went (a finalizer, a garbage
+        # collection, the interpreter's exit).
         if getattr(self, "destroyed", True):
             return
         if self.exiting:
             return
         if not self.explicitly_destroy:
-            self.destroy()
+            try:
+                self.destroy()
+            except _faults.DeviceBarrierTimeout as exc:
+                _write(2, f"{exc}\n".encode())
+                _leaked.extend((self.window, self.host_workspace))
             return
-        print(
+        _faults.printf(  # printf to stdout, then fflush(stdout), as buffer.hpp:132-133
             "`destroy()` is not called before DeepEP elastic buffer destruction, which can leak "
-            "resources.",
-            flush=True,
+            "resources."
         )
-        LEAKED_BUFFERS.extend((self.window, self.host_workspace))
+        _leaked.extend((self.window, self.host_workspace))
 
 
 def _placement_active() -> bool:
@@ -362,6 +377,7 @@ class ElasticBuffer:
         self.num_allocated_qps = num_allocated_qps
         self.explicitly_destroy = explicitly_destroy
         self.runtime = _ElasticRuntime(group, num_bytes, explicitly_destroy)
+        faults.register_buffer(self)
         # One NVLink domain: one scale-out rank, every rank a scale-up rank (nccl.cu:51-62).
         self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
         self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank_idx

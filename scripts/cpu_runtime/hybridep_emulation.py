@@ -175,6 +175,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from cpu_runtime import faults
 from cpu_runtime.emulation_common import (
     BufferTerm,
     all_gather_rows,
@@ -408,6 +409,7 @@ class HybridEPBuffer:
         # (config.cuh:385-387); later calls grow them (_grow).
         self.rows = buffer_rows(max_num_of_tokens_per_rank)
         self._allocate()
+        faults.register_buffer(self)
 
     @property
     def configurer(self) -> SimpleNamespace:
@@ -429,6 +431,12 @@ class HybridEPBuffer:
         )
         self.nbytes = sum(t.nbytes for t in self.terms)
         self.memory = torch.empty(self.nbytes, dtype=torch.uint8, device=buffer_device())
+        # allocate_buffers() ends with exchange_remote_nvl_info(): torch.distributed.all_gather of
+        # the IPC handles over the group, from C++ (intranode.cu:171-177, 300-322), at the
+        # constructor and at every regrowth (hybrid_ep.cu:109-133). Logged, not run: the
+        # emulation maps nothing. The destructor (hybrid_ep.cu:75-90) is local: a device
+        # synchronize and local frees, no peer barrier.
+        faults.note("hybridep handle exchange", faults.group_ranks(self.group))
 
     def _grow(self, num_tokens: int) -> None:
         """``update_buffer`` (``hybrid_ep_buffer.py:141-165``, ``hybrid_ep.cu:109-133``): a call

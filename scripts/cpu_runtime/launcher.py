@@ -403,6 +403,11 @@ def _rank_main(job: Path) -> int:
     try:
         spec = pickle.loads((job / "spec.pkl").read_bytes())
         faulthandler.register(_DUMP_SIGNAL, all_threads=True)
+        from cpu_runtime import faults
+
+        # Every collective logged with its context, atexit hooks tagged (cpu_runtime.faults),
+        # before megatron-core is imported; a forked rank has it from its zygote.
+        faults.install()
         import torch
 
         torch.set_num_threads(1)

@@ -21,12 +21,18 @@ from cpu_runtime.compat import (
 
 
 def init_megatron(
-    ep: int, tp: int = 1, seed: int = 1234, pp: int = 1, vpp: Optional[int] = None
+    ep: int,
+    tp: int = 1,
+    seed: int = 1234,
+    pp: int = 1,
+    vpp: Optional[int] = None,
+    timeout_minutes: Optional[float] = None,
 ) -> Dict[str, object]:
     """Initialize parallel state (gloo groups) and the CPU shims; returns what was installed.
 
     With pipeline stages (``pp`` > 1) the pipeline p2p is checked by NCCL's matching rule
-    (:mod:`cpu_runtime.p2p_rules`)."""
+    (:mod:`cpu_runtime.p2p_rules`). ``timeout_minutes`` is the groups' collective timeout
+    (megatron's ``distributed_timeout_minutes``, default 30; the fault matrix uses seconds)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron.core import parallel_state
@@ -41,6 +47,7 @@ def init_megatron(
         expert_model_parallel_size=ep,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        **({} if timeout_minutes is None else {"distributed_timeout_minutes": timeout_minutes}),
     )
     model_parallel_cuda_manual_seed(seed)
     if pp > 1:

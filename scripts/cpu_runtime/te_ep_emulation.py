@@ -132,7 +132,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from cpu_runtime import placement
+from cpu_runtime import faults, placement
 from cpu_runtime.emulation_common import (
     all_gather_rows,
     all_to_all,
@@ -689,6 +689,7 @@ def build(api: str) -> _Module:
         BACKEND.initialize(group, num_experts, max_tokens, int(recv_capacity or 0), hidden,
                            bool(zero_copy), num_topk, drop, eager)  # fmt: skip
         m._BOOTSTRAPPED, m._EP_GROUP = True, group
+        m._EP_RANKS = faults.group_ranks(group)  # ep_finalize's peers, should the group go
         if head:
             m._EAGER = eager
 
@@ -748,6 +749,9 @@ def build(api: str) -> _Module:
         """Idempotent teardown of the process's NCCL EP context (``ep.py:143-158``)."""
         if not m._BOOTSTRAPPED:
             return
+        # NCCL EP's group and communicator teardown: a device-side collective over the EP
+        # group's ranks, logged (cpu_runtime.faults), not run.
+        faults.note("ncclep ep_finalize", getattr(m, "_EP_RANKS", None))
         try:
             BACKEND.shutdown()
         finally:

@@ -10,6 +10,11 @@ heavy modules, and then forks one child per rank request. A child is what a spaw
 the same point: the same modules imported in the same order, nothing run yet (no process group,
 no model, no tensor of a job), its own session, its output in the rank's log.
 
+A child whose environment names ``MOE_RELEASE_RANK_ENTRY`` (``module:function``) runs that
+function on its job directory instead of ``_rank_main`` and then exits as a process does, through
+the interpreter (atexit hooks, finalization; an uncaught exception printed, exit status 1): the
+fault matrix measures such exits (:mod:`cpu_runtime.fault_scenarios`).
+
 Protocol (text lines): the parent writes ``<job dir> <rank> <env as JSON>``; the zygote forks,
 answers the child's pid, and once the child exits writes its exit status to
 ``<job dir>/rank<N>.exit`` (the parent cannot wait on its grandchildren). End of input ends the
@@ -40,6 +45,11 @@ PRELOAD = (
 
 def _prepare(spec: dict) -> None:
     """What a rank does before importing its target (cpu_runtime.launcher._rank_main)."""
+    from cpu_runtime import faults
+
+    # Before megatron-core is imported: the atexit hooks it registers run tagged, and every
+    # collective a rank enters is logged with its context (cpu_runtime.faults).
+    faults.install()
     import torch
 
     torch.set_num_threads(1)
@@ -75,6 +85,16 @@ def _child(job: Path, rank: int, env: dict) -> None:
     os.environ.clear()
     os.environ.update(env)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    entry = env.get("MOE_RELEASE_RANK_ENTRY")
+    if entry:
+        # A rank that exits as a process does (the fault matrix, cpu_runtime.fault_scenarios):
+        # what its entry returns or raises leaves through main() to the interpreter, which
+        # prints an uncaught exception, runs the atexit hooks and finalizes.
+        import importlib
+
+        module, name = entry.split(":")
+        getattr(importlib.import_module(module), name)(job)
+        raise SystemExit(0)
     from cpu_runtime.launcher import _rank_main
 
     code = 1
@@ -104,6 +124,7 @@ def _reap(children: dict) -> None:
 def main() -> int:
     spec = json.loads(sys.argv[1])
     _prepare(spec)
+    zygote = os.getpid()
     children: dict = {}
     out = sys.stdout
     print("ready", file=out, flush=True)
@@ -123,7 +144,9 @@ def main() -> int:
             children[pid] = Path(job) / f"rank{rank}.exit"
             print(pid, file=out, flush=True)
     finally:
-        for pid in list(children):
+        # Not in a child leaving through here (MOE_RELEASE_RANK_ENTRY): its copy of the table
+        # names its siblings.
+        for pid in list(children) if os.getpid() == zygote else ():
             try:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
