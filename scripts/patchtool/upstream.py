@@ -451,9 +451,9 @@ TEST_SHIMS = [
         _SPEC_IMPORT
         + "from megatron.core.transformer.transformer_config import TransformerConfig\n",
     ),
-    ("test_hybrid_ep_buffer_per_group.py", ("core_r0.16.0",), _SPEC_SHIM, ""),
+    ("flex_buffer_utils.py", ("core_r0.16.0",), _SPEC_SHIM, ""),
     (
-        "test_hybrid_ep_buffer_per_group.py", ("core_r0.16.0",),
+        "flex_buffer_utils.py", ("core_r0.16.0",),
         "from megatron.core.transformer.transformer_config import TransformerConfig\n",
         _SPEC_IMPORT
         + "from megatron.core.transformer.transformer_config import TransformerConfig\n",
@@ -754,6 +754,8 @@ def pr_description(target: str, topic: str, series: list, root: Path = REPO_ROOT
         title = pr_title(target, dep, topic_series(whole, dep, root))
         related += f" Builds on \"{title}\" (`upstream --topic {dep}`), which must merge first."
     test_files = sorted(export_test_files(topic, series, root))
+    # What pytest runs: the test modules, not the helper modules the PR adds beside them.
+    run_files = [p for p in test_files if p.rsplit("/", 1)[-1].startswith("test_")]
     box = lambda done: "x" if done else " "  # noqa: E731
     out = [
         f"Title: {pr_title(target, topic, series)}",
@@ -794,12 +796,12 @@ def pr_description(target: str, topic: str, series: list, root: Path = REPO_ROOT
     if test_files:
         out += [f"- `{p}`" for p in test_files]
         if topic == "cpu-import":  # import-only tests: no GPU, no process group
-            out += ["", "```sh", "pytest " + " ".join(test_files), "```", ""]
+            out += ["", "```sh", "pytest " + " ".join(run_files), "```", ""]
             out += ["They need no GPU and no process group. Each fails on the commit before the"]
             out += ["fix and passes on it (checked on CPU, on each target branch)."]
         else:
             backends = TOPIC_BACKENDS_ON.get((topic, target), TOPIC_BACKENDS[topic])
-            out += ["", "```sh", "torchrun --nproc-per-node 8 -m pytest " + " ".join(test_files)]
+            out += ["", "```sh", "torchrun --nproc-per-node 8 -m pytest " + " ".join(run_files)]
             out += ["```", "", "Not yet run on GPUs: that each fails on the commit before its fix"]
             out += ["and passes on it is unverified there. The tests need CUDA and 8 ranks, and"]
             out += [f"each flex case its backend ({backends}); they skip otherwise. Where it"]

@@ -34,7 +34,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe import fused_a2a
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from tests.unit_tests.test_utilities import Utils
-from tests.unit_tests.transformer.moe.test_hybrid_ep_buffer_per_group import (
+from tests.unit_tests.transformer.moe.flex_buffer_utils import (
     HIDDEN_SIZE,
     MICRO_BATCH,
     NUM_EXPERTS,
