@@ -169,7 +169,7 @@ def group_ranks(group) -> Optional[Tuple[int, ...]]:
     try:
         if group is None or group is getattr(dist.GroupMember, "WORLD", None):
             return tuple(range(dist.get_world_size())) if dist.is_initialized() else None
-        return tuple(dist.get_processgroup_ranks(group))
+        return tuple(dist.get_process_group_ranks(group))
     except (KeyError, RuntimeError, ValueError, AttributeError):
         return None
 

@@ -702,15 +702,12 @@ def test_deep_ep_buffer_is_destroyed_explicitly(dist_job, patched_tree):
         assert res["unknown_kwarg"] == "refused"
 
 
-EXITED = "exiting at "
-
-
-def failing_rank_exit_job() -> None:
+def failing_rank_exit_job(peer_free: str) -> None:
     """A training job as a launcher runs it: one MoE step on DeepEP; then rank 1 fails, catches
     its exception and exits with sys.exit(1), as torch.multiprocessing.spawn's children and
     pytest do (no uncaught exception: sys.last_exc stays unset), while rank 0 is busy elsewhere
-    and never reaches any teardown. Run as a fresh process per rank (the emulation and
-    placement rules installed as a rank does)."""
+    until the file ``peer_free`` appears, and never reaches any teardown. Run as a fresh
+    process per rank (the emulation and placement rules installed as a rank does)."""
     import os
     import sys
     import time
@@ -727,22 +724,24 @@ def failing_rank_exit_job() -> None:
     y, _ = layer(torch.randn(TOKENS, 1, layer.config.hidden_size).requires_grad_())
     y.sum().backward()
     if dist.get_rank() == 0:
-        time.sleep(20)  # busy elsewhere: no collective of rank 1's can complete meanwhile
+        deadline = time.monotonic() + 180
+        while not os.path.exists(peer_free) and time.monotonic() < deadline:
+            time.sleep(0.1)
         os._exit(0)
     try:
         raise RuntimeError("a failure on this rank")
     except RuntimeError:
-        print(f"{EXITED}{time.time()}", flush=True)
         sys.exit(1)
 
 
-def test_a_rank_exiting_after_a_caught_exception_waits_on_no_peer(patched_tree):
+def test_a_rank_exiting_after_a_caught_exception_waits_on_no_peer(patched_tree, tmp_path):
     """A rank that exits with sys.exit(1) after catching its failure runs no collective on its
-    way out: it leaves at once (deep_ep may print that destroy() was not called; the driver
-    frees the memory), while its peer is still busy. The series at 9ee7333 ran DeepEP's
-    collective destroy() from an atexit hook there (sys.last_exc is unset after a caught
-    exception) and waited for the peer; the unpatched base runs it from the buffer's
-    destructor at interpreter exit. Two fresh rank processes, bounded, always reaped."""
+    way out: it exits while its peer is still busy elsewhere (deep_ep may print that destroy()
+    was not called; the driver frees the memory). The series at 9ee7333 ran DeepEP's collective
+    destroy() from an atexit hook there (sys.last_exc is unset after a caught exception), and
+    the unpatched base runs it from the buffer's destructor at interpreter exit: the rank waits
+    for its peer until the device barrier gives up ("a GPU would trap"). Two fresh rank
+    processes, bounded, always reaped."""
     import subprocess
     import sys
     import time
@@ -750,7 +749,8 @@ def test_a_rank_exiting_after_a_caught_exception_waits_on_no_peer(patched_tree):
     from cpu_runtime.launcher import free_port, rank_env
 
     port = free_port()
-    code = f"from {THIS} import failing_rank_exit_job; failing_rank_exit_job()"
+    peer_free = tmp_path / "peer-free"
+    code = f"from {THIS} import failing_rank_exit_job; failing_rank_exit_job({str(peer_free)!r})"
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code],
@@ -764,17 +764,18 @@ def test_a_rank_exiting_after_a_caught_exception_waits_on_no_peer(patched_tree):
     try:
         deadline = time.monotonic() + 240
         while procs[1].poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        ended = time.time()
+            time.sleep(0.1)
+        peer_busy = procs[0].poll() is None  # rank 0 waits for peer_free, written only now
+        peer_free.write_text("")
         out = procs[1].communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+        procs[0].wait(timeout=60)
     finally:
         for p in procs:
             p.kill()
             p.wait()
     assert procs[1].returncode == 1, out[-3000:]
-    marker = [line for line in out.splitlines() if line.startswith(EXITED)]
-    assert marker, out[-3000:]
-    assert ended - float(marker[0][len(EXITED) :]) < 5.0, out[-3000:]
+    assert peer_busy, "rank 0 was gone before rank 1 exited"
+    assert "a GPU would trap" not in out, out[-3000:]
 
 
 def rank_teardown_without_fused_a2a():
