@@ -705,17 +705,21 @@ PR_SUMMARY = {
         "Related to #2236 (which moved the node's clearing to __del__).",
     ),
     "hybridep-groups": (
-        "Keep one HybridEP buffer per process group, so that two models on different EP groups "
-        "(an RL policy and its reference model) can interleave their forwards and backwards, "
-        "each on its own group's buffer; the module global _hybrid_ep_buffer still names the "
-        "first group's buffer, as code outside megatron-core reads and assigns it.",
+        "Keep one HybridEP buffer per process group's ranks, so that two models on different "
+        "EP ranks (an RL policy and its reference model) can interleave their forwards and "
+        "backwards, each on its own group's buffer; groups of the same ranks share one. The "
+        "module global _hybrid_ep_buffer still names the first group's buffer, as code outside "
+        "megatron-core reads and assigns it.",
         "none.",
     ),
     "comm-buffers": (
-        "Give the flex dispatcher's communication buffers a lifecycle: a collective "
-        "reset_fused_a2a_buffers() that destroy_model_parallel() calls, DeepEP buffers "
+        "Give the flex dispatcher's communication buffers a lifecycle: "
+        "reset_fused_a2a_buffers() takes them out of use without waiting on any peer (what "
+        "destroy_model_parallel() calls), the next dispatch frees them, "
+        "reset_fused_a2a_buffers(collective=True) frees them between steps; DeepEP buffers are "
         "destroyed explicitly, and NCCL EP's context and zero-copy buffers released with them.",
-        "Related to #7029 (whose reset_fused_a2a_buffers() name and teardown stage this matches).",
+        "Related to #7029, whose RELEASE_COMMUNICATION stage calls reset_fused_a2a_buffers() "
+        "with no arguments on its graceful and abort paths: the form that waits on nobody.",
     ),
     "cpu-import": (
         "Let megatron.core.pipeline_parallel import where Triton is absent (a CPU-only torch "
@@ -727,11 +731,14 @@ PR_SUMMARY = {
 # Where a branch's change of a topic is another one (core_r0.16.0 has no paged stash).
 PR_SUMMARY_ON = {
     ("comm-buffers", "dev"): (
-        "Give the flex dispatcher's communication buffers a lifecycle: a collective "
-        "reset_fused_a2a_buffers() that destroy_model_parallel() calls, DeepEP buffers destroyed "
-        "explicitly (DeepEP v2's ElasticBuffer too, a replaced one only once no pending "
-        "backward uses it), and NCCL EP's context released with them.",
-        "Related to #7029 (whose reset_fused_a2a_buffers() name and teardown stage this matches).",
+        "Give the flex dispatcher's communication buffers a lifecycle: "
+        "reset_fused_a2a_buffers() takes them out of use without waiting on any peer (what "
+        "destroy_model_parallel() calls), the next dispatch frees them, "
+        "reset_fused_a2a_buffers(collective=True) frees them between steps; DeepEP buffers are "
+        "destroyed explicitly (DeepEP v2's too, a replaced one after its last pending backward), "
+        "and NCCL EP's context released with them.",
+        "Related to #7029, whose RELEASE_COMMUNICATION stage calls reset_fused_a2a_buffers() "
+        "with no arguments on its graceful and abort paths: the form that waits on nobody.",
     ),
     ("cpu-import", "core_r0.16.0"): (
         "Let the MoE router run where Transformer Engine is absent: moe_utils.py defines "
