@@ -26,8 +26,8 @@ Files = Mapping[str, Optional[bytes]]
 _DEV_V2 = "dev also has DeepEP v2's module-global _elastic_buffer, which these hold and release"
 _BUFFERS = "megatron/core/transformer/moe/fused_a2a.py::"
 _DEV_V2_PENDING = (
-    "dev's DeepEP v2 buffers are destroyed once nothing references them (a pending backward's "
-    "autograd ctx keeps one), and the release destroys every one still alive after its barrier"
+    "dev's replaced DeepEP v2 buffers wait for the backwards still to run on them (counted per "
+    "buffer): freeing one drops its count, and the release takes v2's buffer out of use too"
 )
 _DISPATCHER = "megatron/core/transformer/moe/token_dispatcher.py::"
 _NO_NCCL_EP = "this branch has no NCCL EP (moe_flex_dispatcher_backend: 'deepep', 'hybridep')"
@@ -36,6 +36,7 @@ NOT_CARRIED: dict[tuple[str, str], str] = {
     ("patches/upstream/dev", _BUFFERS + "_held_comm_buffers"): _DEV_V2,
     ("patches/upstream/dev", _BUFFERS + "reset_deep_ep_buffer"): _DEV_V2,
     ("patches/upstream/dev", _BUFFERS + "reset_fused_a2a_buffers"): _DEV_V2_PENDING,
+    ("patches/upstream/dev", _BUFFERS + "_free_released_buffers"): _DEV_V2_PENDING,
     ("patches/upstream/dev", _DISPATCHER + "nccl_ep_release_context"): (
         "dev's NCCL EP manager has no zero-copy buffers: its release only finalizes the context"
     ),
