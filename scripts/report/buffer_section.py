@@ -100,10 +100,13 @@ def _as_dicts(terms: Sequence[Any]) -> List[Dict[str, Any]]:
     return [{k: _field(t, k) for k in ("name", "nbytes", "source")} for t in terms]
 
 
-def buffer_prediction(cfg: Dict[str, Any], world: int) -> Optional[Dict[str, Any]]:
+def buffer_prediction(
+    cfg: Dict[str, Any], world: int, rank: Optional[int] = None
+) -> Optional[Dict[str, Any]]:
     """The memory planner's prediction for the report's configuration (flex with HybridEP or
     DeepEP): the buffer's bytes and terms, and for HybridEP one call's outputs, with balanced
-    routing."""
+    routing. ``rank``: the rank priced (HybridEP's local rank 0 also holds the flags its peers
+    map); None prices a rank other than local rank 0."""
     backend = cfg["backend"]
     if cfg.get("dispatcher", "flex") != "flex" or backend not in ("hybridep", "deepep"):
         return None
@@ -114,7 +117,7 @@ def buffer_prediction(cfg: Dict[str, Any], world: int) -> Optional[Dict[str, Any
         hidden_size=cfg["hidden"], num_moe_experts=cfg["experts"], moe_router_topk=cfg["topk"],
         num_layers=cfg.get("layers", 1), expert_model_parallel_size=world,
         tokens_per_rank=cfg["tokens"], moe_token_dispatcher_type="flex",
-        moe_flex_dispatcher_backend=backend, bf16=False,
+        moe_flex_dispatcher_backend=backend, bf16=False, local_rank=rank,
     )  # fmt: skip
     terms = planner.buffer_terms(mc)
     out = {
@@ -141,11 +144,12 @@ def term_check_lines(planner_terms: Sequence[Any], emulated_terms: Sequence[Any]
 
 
 def hybridep_accounting_lines(
-    cfg: Dict[str, Any], patched: Dict[str, Any], world: int
+    cfg: Dict[str, Any], patched: Dict[str, Any], world: int, rank: Optional[int] = None
 ) -> List[str]:
-    """Predicted (balanced routing) beside measured: the buffer and, for HybridEP, one call's
-    outputs; then the buffer's terms, the planner's against the emulation's own."""
-    pred = buffer_prediction(cfg, world)
+    """Predicted (balanced routing) beside measured for ``rank``'s run: the buffer and, for
+    HybridEP, one call's outputs; then the buffer's terms, the planner's against the emulation's
+    own."""
+    pred = buffer_prediction(cfg, world, rank)
     measured = patched.get("per_call_bytes") or {}
     buffers = patched.get("comm_buffers") or {}
     if pred is None:

@@ -348,7 +348,7 @@ def table(report: Dict[str, Any]) -> str:
         lines += buffer_section.comm_buffer_lines(b.get("comm_buffers"), p.get("comm_buffers"))
         if b.get("syncs") is not None and p.get("syncs") is not None:
             lines += sync_lines(b, p)
-        lines += buffer_section.hybridep_accounting_lines(cfg, p, WORLD)
+        lines += buffer_section.hybridep_accounting_lines(cfg, p, WORLD, rank)
     lines += timing_lines(report["timing"])
     eq = report["bitwise"]
     lines.append(

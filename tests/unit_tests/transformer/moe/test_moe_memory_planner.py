@@ -372,6 +372,26 @@ def test_a_wrong_hybridep_planner_term_is_caught(monkeypatch, name, delta, named
     assert repr(named) in bad, bad
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_hybridep_term_check_prices_the_rank_it_reads(rank):
+    """Each rank's block of the report checks that rank's buffer: local rank 0's HybridEP buffer
+    holds 3 x 8 B of flags its peer maps, and the planner priced for rank 0 has them (the check
+    printed "buffer terms MISMATCH" on rank 0 when the planner priced every rank as a peer)."""
+    from cpu_runtime import hybridep_emulation as hep
+    from report import buffer_section
+
+    cfg = {"hidden": 64, "experts": 8, "topk": 2, "tokens": 512, "backend": "hybridep"}
+    terms = hep.hybrid_ep_buffer_terms(512, 64, 4, 2, local_rank=rank)
+    run = {"comm_buffers": {"emulated_bytes": sum(t.nbytes for t in terms),
+                            "terms": [t._asdict() for t in terms]}}  # fmt: skip
+    lines = buffer_section.hybridep_accounting_lines(cfg, run, 2, rank)
+    assert "planner = emulation's reading" in lines[-1], lines
+    assert lines[1].split()[-1] == "1.000", lines
+    if rank == 0:  # the planner priced as a peer misses local rank 0's flags
+        lines = buffer_section.hybridep_accounting_lines(cfg, run, 2, 1)
+        assert any("MISMATCH" in x for x in lines), lines
+
+
 def test_report_checks_the_deepep_buffer_terms():
     """With ``--backend deepep`` the report's buffer rows are DeepEP's: the planner's buffer
     for the report's fp32 model (hidden bytes H x 4, fused_a2a.get_hidden_bytes) against the
