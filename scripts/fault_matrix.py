@@ -52,7 +52,13 @@ ROWS = {
         "Release-NCCL-EP",
     ],
 }
-BEGIN, END = "<!-- fault-matrix:begin -->", "<!-- fault-matrix:end -->"
+
+
+def markers(base: str):
+    """The markers around one base's generated tables in ``--out`` (one block per base)."""
+    return f"<!-- fault-matrix:begin {base} -->", f"<!-- fault-matrix:end {base} -->"
+
+
 GOLDEN_COMMAND = (
     "python scripts/fault_matrix.py --rows base --record-golden "
     "tests/unit_tests/transformer/moe/golden_values/fault_matrix_base.json"
@@ -224,16 +230,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     series = (
         f"the series at {args.series_from}" if args.series_from else "the working tree's series"
     )
+    if args.from_json:
+        series = "rendered from " + ", ".join(p.name for p in args.from_json)
     table = fs.markdown(results, "base")
     text = "\n".join(failures(results, "base"))
     if args.out:
+        begin, end = markers(args.base or "0.19.2")
         generated = (
-            f"{BEGIN}\n<!-- fault_matrix.py --rows {','.join(rows)}: {args.base or '0.19.2'}, "
-            f"{series} -->\n{table}\n{text}\n{END}"
+            f"{begin}\n<!-- fault_matrix.py --rows {','.join(rows)}: {args.base or '0.19.2'}, "
+            f"{series} -->\n{table}\n{text}\n{end}"
         )
         old = args.out.read_text() if args.out.exists() else ""
-        if BEGIN in old and END in old:  # the hand-written text around it stays
-            generated = old[: old.index(BEGIN)] + generated + old[old.index(END) + len(END) :]
+        if begin in old and end in old:  # the hand-written text and other bases' blocks stay
+            generated = old[: old.index(begin)] + generated + old[old.index(end) + len(end) :]
+        elif old:
+            generated = old.rstrip("\n") + "\n\n" + generated + "\n"
         args.out.write_text(generated)
     else:
         print(table)
