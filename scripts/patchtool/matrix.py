@@ -9,12 +9,13 @@ patches/pins.toml and those records, and ``matrix --update FILE`` rewrites the t
 the ``<!-- moe-release matrix -->`` markers in FILE (docs/compatibility.md). A record whose
 series label is not the base's current one is shown as stale: the series changed since it ran.
 
-The release tests are the node-id prefixes of ``BACKPORT_CASES`` in
-``tests/unit_tests/conftest.py`` (read as text, never imported); each is put in a column by
-its node id: the A2A-overlap tests by their directory, the others by the dispatcher named in
-their parameters (flex on HybridEP, DeepEP, DeepEP v2 or NCCL EP, all-to-all, all-gather), the
-rest (CPU guards, communication-buffer teardown) under "other". A flex backend the base does
-not have (NCCL EP before 0.19, DeepEP v2 outside dev) is n/a in its column, not a failure.
+The release tests are the tests marked ``backport`` (on the tests themselves, under
+tests/unit_tests); a run's JUnit XML names them (the ``moe_release_test`` property the unit
+tests' conftest writes for each). Each is put in a column by its node id: the A2A-overlap
+tests by their directory, the others by the dispatcher named in their parameters (flex on
+HybridEP, DeepEP, DeepEP v2 or NCCL EP, all-to-all, all-gather), the rest (CPU guards,
+communication-buffer teardown) under "other". A flex backend the base does not have (NCCL EP
+before 0.19, DeepEP v2 outside dev) is n/a in its column, not a failure.
 
 A Megatron-LM checkout carrying the series (``run-tests --checkout DIR``) is recorded as
 ``checkout-<commit12>`` with its source in words, and with the same release tests' outcomes on
@@ -24,7 +25,6 @@ how many failed there.
 
 from __future__ import annotations
 
-import ast
 import datetime
 import json
 import os
@@ -40,7 +40,6 @@ from .trees import flex_backends
 
 RUNS_DIR = Path(".build") / "test-runs"
 CHECKOUT_PREFIX = "checkout-"
-CONFTEST = Path("tests") / "unit_tests" / "conftest.py"
 BEGIN, END = "<!-- moe-release matrix -->", "<!-- /moe-release matrix -->"
 COLUMNS = (
     "flex-hybridep",
@@ -54,21 +53,6 @@ COLUMNS = (
 )
 # The flex backends a column stands for (a base without the backend has no tests there: n/a).
 BACKEND_COLUMNS = {"flex-deepepv2": "deepepv2", "flex-ncclep": "ncclep"}
-
-
-def release_cases(root: Path = REPO_ROOT) -> tuple[str, ...]:
-    """The BACKPORT_CASES node-id prefixes, read from the unit tests' conftest."""
-    path = root / CONFTEST
-    try:
-        tree = ast.parse(path.read_text(), str(path))
-    except (OSError, SyntaxError) as exc:
-        raise UserError(f"{path}: cannot read BACKPORT_CASES: {exc}") from None
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "BACKPORT_CASES" for t in node.targets
-        ):
-            return tuple(ast.literal_eval(node.value))
-    raise UserError(f"{path}: defines no BACKPORT_CASES")
 
 
 def column(nodeid: str) -> str:
@@ -100,16 +84,28 @@ def _nodeid(classname: str, name: str) -> str:
 # where the tree lacks what it tests. Either may pass on the commit without the series.
 KIND_PROPERTY = "moe_release"
 GUARD = "guard"
+# Every release test (marked ``backport``) says so: ``moe_release_test`` = ``backport``.
+RELEASE_PROPERTY, RELEASE = "moe_release_test", "backport"
+
+
+def _property(path: Path, name: str) -> dict[str, str]:
+    """{node id: value} of the tests of a JUnit XML file that recorded the property ``name``."""
+    out = {}
+    for case in _cases(path):
+        for prop in case.iter("property"):
+            if prop.get("name") == name:
+                out[_nodeid(case.get("classname", ""), case.get("name", ""))] = prop.get("value")
+    return out
 
 
 def junit_kinds(path: Path) -> dict[str, str]:
     """{node id: what the test recorded as its ``moe_release`` property} of a JUnit XML file."""
-    out = {}
-    for case in _cases(path):
-        for prop in case.iter("property"):
-            if prop.get("name") == KIND_PROPERTY:
-                out[_nodeid(case.get("classname", ""), case.get("name", ""))] = prop.get("value")
-    return out
+    return _property(path, KIND_PROPERTY)
+
+
+def junit_release_tests(path: Path) -> set[str]:
+    """The node ids of a JUnit XML file's release tests (the tests marked ``backport``)."""
+    return {n for n, v in _property(path, RELEASE_PROPERTY).items() if v == RELEASE}
 
 
 def _cases(path: Path) -> list:
@@ -158,9 +154,9 @@ def record_run(
     """Write ``.build/test-runs/<name>.json``: the base's release-test outcomes from one run.
     ``checkout``: (source in words, patched tree, the unpatched run's JUnit XML) of a checkout's
     run, whose name is no pin."""
-    cases = release_cases(root)
     outcomes = junit_outcomes(junit) if junit.exists() else {}
-    release = {n: o for n, o in sorted(outcomes.items()) if n.startswith(cases)}
+    released = junit_release_tests(junit) if junit.exists() else set()
+    release = {n: o for n, o in sorted(outcomes.items()) if n in released}
     if checkout is not None:
         source, tree, unpatched = checkout
         if not name.startswith(CHECKOUT_PREFIX):

@@ -5,7 +5,6 @@ matrix row it records, and the label commit that makes `pip install` of the chec
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -13,7 +12,6 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT
 from test_apply import FA, PS, TD, _apply, _commit, _git, mlm  # noqa: F401 (mlm: a fixture)
 
 from patchtool import cli
@@ -113,14 +111,15 @@ def test_a_checkout_run_is_a_matrix_row_with_the_unpatched_outcomes(
     """run-tests --checkout records checkout-<commit12> with its source and, per release test,
     its outcome without the series: the row says how many failed there, the words name a guard
     that passed there, and a retention test that passes there is named and fails the run."""
-    (repo / "tests" / "unit_tests").mkdir(parents=True)
-    shutil.copy(REPO_ROOT / "tests/unit_tests/conftest.py", repo / "tests/unit_tests/conftest.py")
     retention = "test_nothing_of_the_forward_outlives_backward[flex-hybridep-ep2-x]"
     equal = "test_bitwise_equal_to_base[flex-hybridep-ep2-x]"
     gone = "test_nothing_of_the_forward_outlives_backward[alltoall-dropless-ep2-x]"
-    guard = '<properties><property name="moe_release" value="guard"/></properties>'
-    _junit(tmp_path / "p.xml", {retention: "", equal: guard, gone: ""})
-    _junit(tmp_path / "u.xml", {retention: '<failure message="held"/>', equal: guard})
+    # What tests/unit_tests/conftest.py writes for a release test (marked `backport`), a guard.
+    marked = '<property name="moe_release_test" value="backport"/>'
+    release = f"<properties>{marked}</properties>"
+    guard = f'<properties><property name="moe_release" value="guard"/>{marked}</properties>'
+    _junit(tmp_path / "p.xml", {retention: release, equal: guard, gone: release})
+    _junit(tmp_path / "u.xml", {retention: release + '<failure message="held"/>', equal: guard})
     tree = tmp_path / "tree"
     (tree / "megatron/core/transformer").mkdir(parents=True)
     (tree / "megatron/core/transformer/transformer_config.py").write_text(
@@ -143,7 +142,7 @@ def test_a_checkout_run_is_a_matrix_row_with_the_unpatched_outcomes(
     assert words[3].startswith("    passed unpatched (guard): ") and words[3].endswith(equal)
     assert retention_passed_unpatched(record) == []
     # A retention test that passes without the series shows no fix: named, and exit status 1.
-    _junit(tmp_path / "u.xml", {retention: "", equal: guard})
+    _junit(tmp_path / "u.xml", {retention: release, equal: guard})
     monkeypatch.setattr(cli, "record_run", partial(record_run, root=repo))
     assert cli.main(["matrix", "--record", "checkout-4ad697b581ec", "--junit",
                      str(tmp_path / "p.xml"), "--unpatched-junit", str(tmp_path / "u.xml"),

@@ -167,6 +167,12 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.backport)
                 matched.add(prefix)
     not_here -= matched
+    # A release test says so in the JUnit XML (``moe_release_test`` = ``backport``), where
+    # ``moe_release.py matrix --record`` reads which tests of a run are release tests; set at
+    # collection, so that a test skipped before its fixtures run says it too.
+    for item in items:
+        if item.get_closest_marker("backport"):
+            item.user_properties.append(("moe_release_test", "backport"))
     marker = config.getoption("-m") or ""
     if "backport" in marker and not config.getoption("collectonly"):
         # A listed file that is gone, or a collected file none of whose tests match its entry.
