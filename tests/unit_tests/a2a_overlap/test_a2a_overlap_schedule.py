@@ -20,6 +20,8 @@ EP=2, four microbatches), on CPU gloo ranks with the host stream stand-ins
 import pytest
 import torch
 
+from tests.unit_tests.release_cases import backport
+
 RUNNER = "cpu_runtime.a2a_overlap:overlap_run"
 LAYER_RUNNER = "cpu_runtime.a2a_overlap:layer_level_run"
 SMALL = dict(experts=4, topk=2, hidden=16, ffn=32, heads=2, vocab=64, seq=8, mbs=2)
@@ -86,7 +88,7 @@ def test_patched_overlap_is_bitwise_equal_to_base(dist_job, patched_tree, base_t
     )
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", backport(CASES, "hybridep-3layers", "hybridep-4layers"))
 def test_finished_layer_holds_nothing(dist_job, patched_tree, case):
     """Per holder: at each layer's finished backward, every microbatch and layer."""
     _, _, layers = case
@@ -118,7 +120,7 @@ def test_finished_layer_frees_memory(dist_job, patched_tree, base_tree):
         assert sum(patched) <= 0.05 * sum(base), f"rank {rank}: {patched} vs base {base}"
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", backport(CASES, "hybridep-3layers", "hybridep-4layers"))
 def test_chunk_state_released_after_backward(dist_job, patched_tree, case):
     for rank, res in enumerate(_run(dist_job, patched_tree, case, overlap=True)):
         assert len(res["chunks"]) == SMALL["microbatches"]
@@ -323,7 +325,7 @@ def overlap_run_with_full_recompute(cfg):
 @pytest.mark.parametrize(
     "case",
     [
-        pytest.param(("flex", "hybridep", 3), id="hybridep"),
+        pytest.param(("flex", "hybridep", 3), id="hybridep", marks=pytest.mark.backport),
         pytest.param(("flex", "deepep", 3), id="deepep", marks=pytest.mark.slow),
         pytest.param(("alltoall", "dropless", 3), id="alltoall", marks=pytest.mark.slow),
     ],

@@ -21,6 +21,8 @@ import pytest
 
 from cpu_runtime.launcher import REPO_ROOT, SCRIPTS
 
+pytestmark = pytest.mark.backport  # release tests: run against every pinned base
+
 SETUP = """
 import torch
 from cpu_runtime.compat import install_dtoh_stream_cpu_shim

@@ -98,6 +98,7 @@ def rank_teardown(backend: str):
     return res
 
 
+@pytest.mark.backport
 @pytest.mark.parametrize("backend", ["hybridep", "deepep"])
 def test_destroy_model_parallel_releases_the_buffer(dist_job, patched_tree, backend):
     """The teardown takes every buffer out of use and frees none (a free may wait for the peers:
@@ -144,7 +145,11 @@ def rank_reinit(first_ep: int, second_ep: int, restore: bool = False):
 
 @pytest.mark.parametrize(
     "first_ep,second_ep,restore",
-    [(2, 4, False), (2, 2, False), (2, 2, True)],
+    [
+        (2, 4, False),
+        pytest.param(2, 2, False, marks=pytest.mark.backport),
+        (2, 2, True),
+    ],
     ids=["ep2-then-ep4", "new-ep2", "new-ep2-old-buffer-restored"],
 )
 def test_hybridep_buffer_rebinds_after_reinitialization(
@@ -199,6 +204,7 @@ def rank_growth(backend: str):
     return {"old": old, "new": new, "peak": peak, "kept": kept}
 
 
+@pytest.mark.backport
 @pytest.mark.parametrize("backend", ["hybridep", "deepep"])
 def test_growth_never_holds_two_buffers(dist_job, patched_tree, backend):
     for rank, res in enumerate(dist_job(f"{THIS}:rank_growth", 2, patched_tree, backend=backend)):
@@ -336,6 +342,7 @@ def rank_two_groups():
     }
 
 
+@pytest.mark.backport
 def test_two_models_on_different_groups_keep_their_own_buffers(dist_job, patched_tree):
     """Two MoE layers on different EP groups (an RL policy and its reference model on other
     ranks), forwards and backwards interleaved: each dispatch, combine and backward runs on the
@@ -383,7 +390,7 @@ def rank_capture_guard(backend: str):
 
 
 # DeepEP's normal-mode dispatch waits on the host: a CUDA graph never captures it.
-@pytest.mark.parametrize("backend", ["hybridep"])
+@pytest.mark.parametrize("backend", [pytest.param("hybridep", marks=pytest.mark.backport)])
 def test_release_refuses_while_a_captured_graph_holds_the_buffer(dist_job, patched_tree, backend):
     """A CUDA graph that captured a dispatch keeps raw pointers into the buffer: the release
     raises (naming the fix) and frees nothing; once the caller says the graphs are gone it
@@ -413,7 +420,9 @@ def rank_release_waits_for_peers(backend: str, delay: float):
     return {"entered": entered, "left": time.time(), "gone": _buffer(backend) is None}
 
 
-@pytest.mark.parametrize("backend", ["hybridep", "deepep"])
+@pytest.mark.parametrize(
+    "backend", [pytest.param("hybridep", marks=pytest.mark.backport), "deepep"]
+)
 def test_release_waits_for_every_peer_before_freeing(dist_job, patched_tree, backend):
     """The release is collective: rank 0 does not return (and so has not freed) before rank 1,
     one second later, has entered it."""
@@ -687,6 +696,7 @@ def rank_deep_ep_explicit_destroy():
     return out
 
 
+@pytest.mark.backport
 def test_deep_ep_buffer_is_destroyed_explicitly(dist_job, patched_tree):
     for rank, res in enumerate(dist_job(f"{THIS}:rank_deep_ep_explicit_destroy", 2, patched_tree)):
         assert res["flag"], f"rank {rank}: the buffer was built without explicitly_destroy"
@@ -730,6 +740,7 @@ def failing_rank_exit_job(peer_free: str) -> None:
         sys.exit(1)
 
 
+@pytest.mark.backport
 def test_a_rank_exiting_after_a_caught_exception_waits_on_no_peer(patched_tree, tmp_path):
     """A rank that exits with sys.exit(1) after catching its failure runs no collective on its
     way out: it exits while its peer is still busy elsewhere (deep_ep may print that destroy()

@@ -20,6 +20,8 @@ import pytest
 
 from cpu_runtime.launcher import REPO_ROOT, SCRIPTS, free_port
 
+pytestmark = pytest.mark.backport  # release tests: run against every pinned base
+
 CHECKS = {
     "triton": """
         import sys

@@ -100,6 +100,7 @@ def rank_pending_backward():
     return out
 
 
+@pytest.mark.backport
 def test_a_replaced_buffer_serves_its_pending_backward(dist_job, patched_tree):
     """Two forwards of 8 and 16 tokens, then their backwards: the first backward runs on the
     buffer its forward used (replaced, not destroyed), bitwise as if each backward had followed

@@ -21,6 +21,7 @@ import pytest
 from cpu_runtime.launcher import DistributedTestError, run_distributed
 from cpu_runtime.placement import added_syncs
 from patchtool.trees import flex_backends
+from tests.unit_tests.release_cases import backport
 
 PATCHED_TREE = os.environ.get("MOE_RELEASE_TREE")
 BASE_TREE = os.environ.get("MOE_RELEASE_BASE_TREE")
@@ -64,6 +65,12 @@ SLOW_CONFIGS = {
     ("allgather", None, 1),
     ("allgather", None, 4),
 }
+# The release cases (`-m backport`, run against every pinned base): EP2 of each dispatcher, and
+# of each flex backend the tree has.
+EP2_FLEX = [
+    f"flex-{b}-ep2" for b in ("hybridep", "ncclep", "deepepv2") if ("flex", b, 2) in CONFIGS
+]
+EP2_ALL = EP2_FLEX + ["flex-deepep-ep2", "alltoall-dropless-ep2", "allgather-ep2"]
 
 
 def _tree_source_has(module: str, text: str) -> bool:
@@ -759,7 +766,7 @@ def _train_one(tree, dispatcher, backend, ep, recompute, compile_=False):
 
 @needs_tree
 @pytest.mark.parametrize("recompute", RECOMPUTE)
-@pytest.mark.parametrize("dispatcher,backend,ep", _params(CONFIGS))
+@pytest.mark.parametrize("dispatcher,backend,ep", backport(_params(CONFIGS), *EP2_ALL))
 def test_nothing_of_the_forward_outlives_backward(dispatcher, backend, ep, recompute):
     """After forward+backward through (checkpointed) MoE layers, no checkpoint input, its
     .grad, router probability, dispatch handle or dispatched probability is reachable, and
@@ -924,7 +931,7 @@ def _assert_bitwise(a, b):
 @pytest.mark.guard
 @needs_base
 @pytest.mark.parametrize("recompute", RECOMPUTE)
-@pytest.mark.parametrize("dispatcher,backend,ep", _params(CONFIGS))
+@pytest.mark.parametrize("dispatcher,backend,ep", backport(_params(CONFIGS), *EP2_FLEX))
 def test_bitwise_equal_to_base(dispatcher, backend, ep, recompute):
     """Loss, outputs and every gradient are bitwise those of the unpatched megatron-core."""
     patched = _train(PATCHED_TREE, dispatcher, backend, ep, recompute)
@@ -936,7 +943,7 @@ def test_bitwise_equal_to_base(dispatcher, backend, ep, recompute):
 @pytest.mark.guard
 @needs_base
 @pytest.mark.parametrize("recompute", RECOMPUTE)
-@pytest.mark.parametrize("dispatcher,backend,ep", _params(CONFIGS))
+@pytest.mark.parametrize("dispatcher,backend,ep", backport(_params(CONFIGS), "flex-hybridep-ep2"))
 def test_series_adds_no_host_sync(dispatcher, backend, ep, recompute):
     """The release adds no device-to-host synchronization to a training step: per kind
     (``.item()``, ``.tolist()``, blocking copies to the host, stream/event/device
@@ -1041,7 +1048,7 @@ CUDAGRAPH_CONFIGS = [
 @needs_tree
 @pytest.mark.parametrize(
     "dispatcher,backend,ep,variant",
-    _params(CUDAGRAPH_CONFIGS, slow=()),
+    backport(_params(CUDAGRAPH_CONFIGS, slow=()), "alltoall-dropless-ep2"),
 )
 def test_cudagraph_attrs_survive_release(dispatcher, backend, ep, variant):
     """Capture reads cudagraph_attrs after preprocess and replay writes them back before

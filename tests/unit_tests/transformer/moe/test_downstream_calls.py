@@ -170,6 +170,7 @@ def rank_fixture_save_restore(backend: str):
     return out
 
 
+@pytest.mark.backport
 @pytest.mark.guard
 def test_art_hybridep_capacity_calls(dist_job, patched_tree):
     """ART's reads and re-initialization of ``fused_a2a._hybrid_ep_buffer``: the RuntimeError
@@ -186,6 +187,7 @@ def test_art_hybridep_capacity_calls(dist_job, patched_tree):
         assert out["after_reset"], (rank, out)
 
 
+@pytest.mark.backport
 @pytest.mark.guard
 @pytest.mark.parametrize(
     "backend",

@@ -23,6 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.unit_tests.release_cases import backport
+
 THIS = "tests.unit_tests.transformer.moe.test_nccl_ep_buffers"
 pytestmark = pytest.mark.flex_backend("ncclep")
 HIDDEN, TOKENS, EXPERTS, FACTOR = 64, 8, 4, 4.0
@@ -189,7 +191,7 @@ def rank_release_between_steps(zero_copy: bool):
     return out
 
 
-@pytest.mark.parametrize("zero_copy", MODES)
+@pytest.mark.parametrize("zero_copy", backport(MODES, "normal"))
 def test_release_frees_the_context_and_the_next_step_recreates_it(
     dist_job, patched_tree, zero_copy
 ):
@@ -276,6 +278,7 @@ def rank_two_groups():
     return out
 
 
+@pytest.mark.backport
 def test_a_second_ep_group_is_refused_not_silently_rerouted(dist_job, patched_tree):
     """NCCL EP serves one EP group per process: while it is bootstrapped on A's group, B's
     dispatch raises, naming the release, also when B ran on its own group before an earlier
