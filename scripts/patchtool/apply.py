@@ -48,7 +48,7 @@ from typing import Optional, Sequence
 from .checkout import LABEL_SUBJECT, label_files
 from .common import REPO_ROOT, UserError, log
 from .git import COMMITTER_IDENT, FORMAT_PATCH_FLAGS, git, git_env
-from .landed import files_series_states
+from .hunkstate import files_series_states
 from .patches import Patch, parse_patch
 from .pins import Base, load_pins
 from .port import (

@@ -13,7 +13,7 @@ patch, theirs = after it, ours = the target's tree (``git merge-file``). Per pat
 - ``applied, resolution replayed``: what a person changed on top of the merge (conflict markers
   resolved, a part not carried, an adaptation) is stored in the target's
   ``resolutions/<primary patch>.diff`` and replayed;
-- ``landed``: the change is already in the target's tree (landed.py's hunk test), dropped;
+- ``landed``: the change is already in the target's tree (hunkstate.py's hunk test), dropped;
 - ``not carried``: ``resolutions/<primary patch>.skip`` says the target does not take it;
 - ``conflict``: the merge left conflicts no stored resolution accounts for (file, hunk and
   both sides reported); nothing is written for that target.
@@ -38,7 +38,7 @@ from typing import Callable, Optional, Sequence
 
 from .common import REPO_ROOT, UserError, log
 from .git import GIT_AM_FLAGS, format_patches, git, git_env
-from .landed import files_state
+from .hunkstate import files_state
 from .patches import FilePatch, Patch, apply_file_patch, parse_patch, parse_series, series_header
 from .pins import Base, load_pins
 from .repo import read_series, read_series_dir
