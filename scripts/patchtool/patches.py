@@ -1,7 +1,7 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
 """Series files and `git format-patch` mboxes as pure functions over bytes: parse, apply
-with zero fuzz, trailers, version label. No I/O here."""
+with zero fuzz, trailers, version label, a patch's upstream subject. No I/O here."""
 
 from __future__ import annotations
 
@@ -297,3 +297,15 @@ def overlay_label(
 def sha256_bytes(data: bytes) -> str:
     """Hex sha256 of bytes."""
     return hashlib.sha256(data).hexdigest()
+
+
+def upstream_subject(subject: str) -> str:
+    """``[MoE] Release x`` -> ``fix(moe): release x`` (acronyms keep their case); a backport's
+    ``cp: `...` into `branch``` subject is already upstream's and is kept."""
+    if subject.startswith("cp: `"):
+        return subject
+    text = re.sub(r"^\[MoE\]\s*", "", subject).strip()
+    first = text.split(" ", 1)[0]
+    if not (len(first) > 1 and (first.isupper() or any(c.isdigit() for c in first))):
+        text = text[:1].lower() + text[1:]
+    return f"fix(moe): {text}"

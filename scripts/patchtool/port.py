@@ -39,12 +39,19 @@ from typing import Callable, Optional, Sequence
 from .common import REPO_ROOT, UserError, log
 from .git import GIT_AM_FLAGS, format_patches, git, git_env
 from .hunkstate import files_state
-from .patches import FilePatch, Patch, apply_file_patch, parse_patch, parse_series, series_header
+from .patches import (
+    FilePatch,
+    Patch,
+    apply_file_patch,
+    parse_patch,
+    parse_series,
+    series_header,
+    upstream_subject,
+)
 from .pins import Base, load_pins
 from .repo import read_series, read_series_dir
 from .source import available, not_configured, read_base_files
 from .trees import os_error
-from .upstream import upstream_subject
 
 Files = dict[str, Optional[bytes]]
 

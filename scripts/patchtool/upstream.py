@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 from .common import REPO_ROOT, UserError
 from .git import create_edit_repo, format_patches
-from .patches import Patch, parse_patch
+from .patches import Patch, parse_patch, upstream_subject
 from .pins import Base, load_pins
 from .repo import read_series, read_series_dir
 from .source import available, not_configured, read_base_files
@@ -227,18 +227,6 @@ def identity(repo: Path = REPO_ROOT) -> tuple[str, str]:
             f"cannot accept; {fix}"
         )
     return name, email
-
-
-def upstream_subject(subject: str) -> str:
-    """``[MoE] Release x`` -> ``fix(moe): release x`` (acronyms keep their case); a backport's
-    ``cp: `...` into `branch``` subject is already upstream's and is kept."""
-    if subject.startswith("cp: `"):
-        return subject
-    text = re.sub(r"^\[MoE\]\s*", "", subject).strip()
-    first = text.split(" ", 1)[0]
-    if not (len(first) > 1 and (first.isupper() or any(c.isdigit() for c in first))):
-        text = text[:1].lower() + text[1:]
-    return f"fix(moe): {text}"
 
 
 def export_subject(subject: str, target: str) -> str:

@@ -12,7 +12,7 @@ import pytest
 
 from patchtool.cli import main as cli_main
 from patchtool.common import REPO_ROOT, UserError
-from patchtool.patches import check_trailers, parse_patch
+from patchtool.patches import check_trailers, parse_patch, upstream_subject
 from patchtool.pins import load_pins
 from patchtool.repo import read_series
 from patchtool.upstream import (
@@ -34,7 +34,6 @@ from patchtool.upstream import (
     topic_series,
     topic_test_files,
     upstream_message,
-    upstream_subject,
     upstream_test_files,
     without_shims,
 )
