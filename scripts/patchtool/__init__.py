@@ -7,6 +7,7 @@ Pure functions over bytes and their I/O are kept apart:
 * ``common`` - repository root, ``UserError``, progress on stderr
 * ``pins`` - ``patches/pins.toml``
 * ``patches`` - series files and mboxes: parse, apply with zero fuzz, trailers, label (pure)
+* ``merge`` - the 3-way merge engine and its resolutions, shared by ``port`` and ``apply``
 * ``hunkstate`` - where a series' hunks stand in a set of files (applied, pending, conflict)
 * ``repo`` - the series and overlay modules as read from this repository
 * ``sdist`` - download, verify and read the pinned sdist

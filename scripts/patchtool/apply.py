@@ -49,16 +49,12 @@ from .checkout import LABEL_SUBJECT, label_files
 from .common import REPO_ROOT, UserError, log
 from .git import COMMITTER_IDENT, FORMAT_PATCH_FLAGS, git, git_env
 from .hunkstate import files_series_states
-from .patches import Patch, parse_patch
-from .pins import Base, load_pins
-from .port import (
+from .merge import (
     MARK_OURS,
     MARK_THEIRS,
     Conflict,
     Files,
     Resolution,
-    _author,
-    _stem,
     apply_with_offset,
     file_diff,
     has_markers,
@@ -66,6 +62,8 @@ from .port import (
     parse_diff,
     series_states,
 )
+from .patches import Patch, parse_patch, patch_author, patch_stem
+from .pins import Base, load_pins
 from .repo import read_series
 from .source import read_base_files
 from .trees import PACKAGE_INFO, atomic_directory, check_target_dir, os_error
@@ -373,7 +371,7 @@ class ApplyResult:
 
 def resolution_path(choice: Choice, ref: str, patch_name: str) -> Path:
     """Where a person's resolution of ``patch_name`` at commit ``ref`` is stored."""
-    return choice.series_dir / APPLY_DIR / ref[:12] / f"{_stem(patch_name)}.diff"
+    return choice.series_dir / APPLY_DIR / ref[:12] / f"{patch_stem(patch_name)}.diff"
 
 
 def _renames(co: Checkout, anchor: str, ref: str, paths: set[str]) -> dict[str, str]:
@@ -422,7 +420,7 @@ class _Scratch:
         git(self.path, "update-index", "--index-info", env=self.env,
             input="".join(entries).encode())  # fmt: skip
         tree = git(self.path, "write-tree", env=self.env).decode().strip()
-        name, email, date = _author(patch)
+        name, email, date = patch_author(patch)
         env = git_env(dict(GIT_AUTHOR_NAME=name, GIT_AUTHOR_EMAIL=email, GIT_AUTHOR_DATE=date,
                            GIT_COMMITTER_DATE=date))  # fmt: skip
         msg = patch.subject + "\n\n" + patch.message.strip("\n") + "\n"
@@ -459,7 +457,7 @@ def _prepare(
     source = co.path if base.is_commit and co.has(base.commit) else mirror
     states = series_states(read_base_files(base, source), read_series(base, root))
     adir = choice.series_dir / APPLY_DIR / ref[:12]
-    stems = {_stem(p.name) for p, _, _ in states}
+    stems = {patch_stem(p.name) for p, _, _ in states}
     stored = _read_resolutions(adir, stems, base.series)
     eras = []
     for rdir in sorted(adir.parent.iterdir()) if adir.parent.is_dir() else []:
@@ -927,7 +925,7 @@ def run_resolve(
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     dest.write_bytes(data)
             msg = patch.subject + "\n\n" + patch.message.strip("\n") + "\n"
-            name_, email, date = _author(patch)
+            name_, email, date = patch_author(patch)
             env = git_env(dict(GIT_AUTHOR_NAME=name_, GIT_AUTHOR_EMAIL=email,
                                GIT_AUTHOR_DATE=date))  # fmt: skip
             if conflicts:

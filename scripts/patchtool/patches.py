@@ -1,7 +1,8 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
 """Series files and `git format-patch` mboxes as pure functions over bytes: parse, apply
-with zero fuzz, trailers, version label, a patch's upstream subject. No I/O here."""
+with zero fuzz, trailers, version label, a patch's stem, author and upstream subject. No I/O
+here."""
 
 from __future__ import annotations
 
@@ -297,6 +298,18 @@ def overlay_label(
 def sha256_bytes(data: bytes) -> str:
     """Hex sha256 of bytes."""
     return hashlib.sha256(data).hexdigest()
+
+
+def patch_stem(patch_name: str) -> str:
+    """A patch's name without ``.patch``: its resolution is ``resolutions/<stem>.diff``."""
+    return patch_name[: -len(".patch")] if patch_name.endswith(".patch") else patch_name
+
+
+def patch_author(patch: Patch) -> tuple[str, str, str]:
+    """A patch's author and date as (name, email, date), for git's ``GIT_AUTHOR_*``."""
+    match = re.match(r"^(.*?)\s*<([^>]*)>$", patch.author)
+    name, email = (match.group(1), match.group(2)) if match else (patch.author, "")
+    return name, email, patch.date
 
 
 def upstream_subject(subject: str) -> str:

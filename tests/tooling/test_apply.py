@@ -26,7 +26,7 @@ from patchtool.apply import (
 from patchtool.checkout import verify_checkout_install
 from patchtool.common import UserError
 from patchtool.git import format_patches, git, git_env
-from patchtool.port import Resolution, file_diff, has_markers, merge_file
+from patchtool.merge import Resolution, file_diff, has_markers, merge_file
 from patchtool.source import CHECKOUT_ENV
 
 MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
