@@ -20,4 +20,7 @@ Pure functions over bytes and their I/O are kept apart:
 * ``landed`` - which patches a checkout already holds
 * ``matrix`` - the compatibility matrix from the pins and the recorded test runs
 * ``cli`` - the verbs
+
+The verbs (``apply``, ``port``, ``upstream``, ``check``, ``landed``, ``drift``, ``matrix``) never
+import each other; only ``cli`` imports them (tests/tooling/test_patchtool_layers.py).
 """
