@@ -113,7 +113,7 @@ class HostEvent:
         return True
 
     def synchronize(self) -> None:
-        from cpu_runtime.placement import count_sync
+        from cpu_runtime.placement_state import count_sync
 
         count_sync("event.synchronize")
         _merge(HOST_STREAMS.host_known, getattr(self, "known", {}))
@@ -184,7 +184,7 @@ class HostStream:
         return True
 
     def synchronize(self) -> None:
-        from cpu_runtime.placement import count_sync
+        from cpu_runtime.placement_state import count_sync
 
         count_sync("stream.synchronize")
         _merge(HOST_STREAMS.host_known, self.snapshot())
@@ -205,7 +205,7 @@ _REAL_RECORD_STREAM: Optional[Callable] = None
 
 
 def _record_stream(tensor: torch.Tensor, stream) -> None:
-    from cpu_runtime.placement import check_record_stream
+    from cpu_runtime.placement_state import check_record_stream
 
     check_record_stream(tensor)  # a host tensor raises, as torch's CUDA-only kernel does
     if isinstance(stream, HostStream):

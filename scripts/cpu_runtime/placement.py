@@ -42,21 +42,29 @@ import collections
 import contextlib
 import os
 import sys
-import threading
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from cpu_runtime.host_streams import HOST_STREAMS
+from cpu_runtime.placement_state import (  # the state the host streams share (see there)
+    _ATTR,
+    _DEVICE_MARK,
+    _STATE,
+    _TORCH_DIR,
+    DEVICE,
+    PAGEABLE,
+    PINNED,
+    SYNCS,
+    _short,
+    call_site,
+    count_sync,
+    placement_of,
+)
 
-DEVICE = "device"
-PINNED = "pinned"
-PAGEABLE = "pageable"
 HOST = (PINNED, PAGEABLE)
 
-_ATTR = "_moe_release_placement"  # on the storage: (placement, call site that made it)
-_DEVICE_MARK = (DEVICE, "")
 CUDA_DEVICE = torch.device("cuda", 0)
 
 _TENSOR_DICT = torch._C.TensorBase.__dict__
@@ -64,22 +72,12 @@ _IS_CUDA = _TENSOR_DICT["is_cuda"]
 _DEVICE = _TENSOR_DICT["device"]
 _IS_CPU = _TENSOR_DICT["is_cpu"]
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _THIS_FILE = __file__
 _TRACE = os.environ.get("MOE_RELEASE_PLACEMENT_TRACE") == "1"
 
 
 class PlacementError(RuntimeError):
     """An op that CUDA would refuse (a device mismatch)."""
-
-
-def placement_of(tensor: torch.Tensor) -> str:
-    """The tensor's placement on a GPU (``device`` unless something made it a host tensor)."""
-    try:
-        return getattr(tensor.untyped_storage(), _ATTR, _DEVICE_MARK)[0]
-    except (RuntimeError, NotImplementedError):  # e.g. a tensor without storage
-        return DEVICE
 
 
 def made_at(tensor: torch.Tensor) -> str:
@@ -104,21 +102,7 @@ def mark(tensor: torch.Tensor, placement: str) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Host syncs
-
-
-SYNCS: "collections.Counter[Tuple[str, str]]" = collections.Counter()
-
-
-def call_site(skip_runtime: bool = True) -> str:
-    """``file:line`` of the first frame outside torch (and this runtime)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not name.startswith(_TORCH_DIR) and not (skip_runtime and name.startswith(_RUNTIME_DIR)):
-            return f"{_short(name)}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "?"
+# Host syncs (:data:`SYNCS`, :func:`count_sync`, :func:`call_site` live in placement_state)
 
 
 def _maker_site() -> str:
@@ -135,32 +119,6 @@ def _maker_site() -> str:
             return f"{_short(name)}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"
-
-
-def _short(path: str) -> str:
-    cut = path.rfind("megatron" + os.sep)
-    if cut >= 0:
-        return path[cut:]
-    return os.path.basename(path)
-
-
-def check_record_stream(tensor: torch.Tensor) -> None:
-    """Raise as torch does for ``record_stream`` on a host tensor (only a CUDA kernel exists).
-
-    Called by the ``Tensor.record_stream`` stand-in (:mod:`cpu_runtime.host_streams`)."""
-    if _STATE.mode is not None and placement_of(tensor) != DEVICE:
-        raise NotImplementedError(
-            "Could not run 'aten::record_stream' with arguments from the 'CPU' backend. "
-            "'aten::record_stream' is only available for these backends: [CUDA, ...]. "
-            f"(CPU runtime placement rule: this tensor would be {placement_of(tensor)} host "
-            f"memory on a GPU; record_stream at {call_site()})"
-        )
-
-
-def count_sync(kind: str) -> None:
-    """Count one device-to-host synchronization of ``kind`` at the caller's call site."""
-    if _STATE.mode is not None:
-        SYNCS[(kind, call_site())] += 1
 
 
 def syncs_by_site() -> Dict[str, int]:
@@ -716,13 +674,6 @@ class PlacementMode(TorchFunctionMode):
                 continue
             if storage.data_ptr() not in storages and not hasattr(storage, _ATTR):
                 setattr(storage, _ATTR, (PAGEABLE, _maker_site()))
-
-
-class _State(threading.local):
-    mode: Optional[PlacementMode] = None
-
-
-_STATE = _State()
 
 
 def active() -> bool:
