@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from patchtool.trees import ensure_trees
 from report import buffer_section, colocated_section, overlap_section, step_profile
+from report.runs import WORLD, run
 from report.runtime import (
     CPU,
     ReportError,
@@ -41,7 +42,6 @@ from report.runtime import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-WORKER = "report.worker"
 MAIN = dict(
     layers=4, tokens=2048, seq=256, hidden=64, ffn=128, heads=4, experts=8, topk=2, vocab=1024,
     backend="hybridep", seed=1234, steps=5,
@@ -51,7 +51,6 @@ SWEEP_LAYERS = (2, 4, 8)
 SWEEP_TOKENS = (1024, 4096, 16384)
 GOLDEN_CONFIG = dict(MAIN, layers=3, tokens=512, seq=128, steps=4)
 TIMING_STEPS = 10
-WORLD = 2
 
 
 def trees() -> Tuple[str, str]:
@@ -82,33 +81,6 @@ def tree_version(tree: str) -> str:
     if not found:
         raise ReportError(f"{tree}: package_info.py carries no stamped __version__")
     return found[-1]
-
-
-def run(
-    tree: str,
-    target: str,
-    cfg: Dict[str, Any],
-    runtime: Runtime = CPU,
-    timeout: float = 900,
-    placement: Optional[bool] = None,
-) -> List[Any]:
-    """Run a worker function on WORLD ranks over the given tree, where ``runtime`` says;
-    ``placement=False`` runs CPU ranks without the placement rules (host tensors)."""
-    from cpu_runtime.launcher import run_distributed
-
-    emulated = runtime.kernels == "emulation"
-    return run_distributed(
-        f"{WORKER}:{target}",
-        WORLD,
-        tree,
-        kwargs={"cfg": cfg},
-        timeout=timeout,
-        emulate_deep_ep=emulated,
-        device=runtime.device,
-        backend=runtime.backend,
-        force_emulation=emulated,
-        placement=placement,
-    )
 
 
 def bitwise_equal(a: List[Dict[str, Any]], b: List[Dict[str, Any]]) -> Dict[str, Any]:

@@ -58,7 +58,7 @@ def function_of(key: str) -> str:
 
 def measure(base: str, patched: str, cfg: Dict[str, Any], rounds: int = 2) -> Dict[str, Any]:
     """Profiled runs of both trees (placement rules off), interleaved; see the module doc."""
-    from report import cli
+    from report.runs import run
 
     cfg = dict(cfg, steps=max(cfg["steps"], PROFILE_STEPS), measure=False, profile=True)
     runs: Dict[str, List[List[Dict[str, Any]]]] = {"base": [], "patched": []}
@@ -66,7 +66,7 @@ def measure(base: str, patched: str, cfg: Dict[str, Any], rounds: int = 2) -> Di
     for r in range(rounds):
         for name, tree in order if r % 2 == 0 else order[::-1]:
             log(f"profile round {r + 1}/{rounds}: {name} (placement rules off)")
-            runs[name].append(cli.run(tree, "train", cfg, placement=False))
+            runs[name].append(run(tree, "train", cfg, placement=False))
     return summarize(runs)
 
 
