@@ -180,8 +180,7 @@ def kernel_leaked_bytes(all_leaks: bool = False) -> int:
 def _layer(backend: str):
     import torch.distributed as dist
 
-    from cpu_runtime.moe_harness import build_moe_layer, moe_config
-    from report.colocated_section import model_kwargs
+    from cpu_runtime.moe_harness import build_moe_layer, model_kwargs, moe_config
 
     extra: Dict[str, Any] = {}
     if backend in DISPATCHERS:
@@ -203,7 +202,7 @@ def _init() -> None:
 
 
 def _step(layer, tokens: int = TOKENS, seed: int = 3) -> None:
-    from report.colocated_section import _step as step
+    from cpu_runtime.moe_harness import train_step as step
 
     step(layer, tokens, seed)
 

@@ -6,7 +6,7 @@ Everything here runs inside ranks spawned by :mod:`cpu_runtime.launcher` (the de
 is installed before megatron is imported); the memory report and the tests build on it.
 """
 
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -104,6 +104,25 @@ def moe_config(
     return TransformerConfig(**kwargs)
 
 
+def model_kwargs(backend: str) -> Dict[str, Any]:
+    """What the backend's kernels take: bf16 payloads for DeepEP v2 and NCCL EP, hidden 256 for
+    DeepEP v2's combine (a multiple of 256), and a receive capacity where the tree's NCCL EP
+    manager has no eager mode (its config still has ``moe_ncclep_static_shape``)."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if backend not in ("deepepv2", "ncclep"):
+        return {}
+    out: Dict[str, Any] = {"dtype": torch.bfloat16}
+    if backend == "deepepv2":
+        out["hidden"] = 256
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    if backend == "ncclep" and "moe_ncclep_static_shape" in fields:
+        out["moe_expert_rank_capacity_factor"] = 2.0
+    return out
+
+
 def gpt_moe_config(cfg: Dict, ep: int, **overrides):
     """The config of the report's and the overlap runs' GPTModel: the sizes in ``cfg``
     (experts, topk, hidden, ffn, layers, heads), the flex dispatcher with ``cfg['backend']``
@@ -171,6 +190,26 @@ def build_moe_layer(config, layer_number: int = 1):
 
     spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts)
     return on_device(spec(config=config, layer_number=layer_number))
+
+
+def train_step(layer, tokens: int, seed: int) -> Dict[str, Any]:
+    """Forward, backward and an SGD update of ``layer``; its output and gradients."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(seed)
+    xs = torch.randn(world, tokens, layer.config.hidden_size, generator=gen)
+    x = xs[rank].to(layer.config.params_dtype).view(tokens, 1, -1).requires_grad_()
+    y, _ = layer(x)
+    y.float().pow(2).sum().backward()
+    out = {"y": y.detach().clone(), "x_grad": x.grad.clone(), "grads": {}}
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if p.grad is not None:
+                out["grads"][name] = p.grad.clone()
+                p -= 0.01 * p.grad.to(p.dtype)
+            p.grad = None
+    return out
 
 
 class InputHolder(torch.nn.Module):

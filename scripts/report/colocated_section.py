@@ -25,26 +25,6 @@ EP = 2
 BACKENDS = ("hybridep", "deepep", "deepepv2", "ncclep")
 
 
-def model_kwargs(backend: str) -> Dict[str, Any]:
-    """What the backend's kernels take: bf16 payloads for DeepEP v2 and NCCL EP, hidden 256 for
-    DeepEP v2's combine (a multiple of 256), and a receive capacity where the tree's NCCL EP
-    manager has no eager mode (its config still has ``moe_ncclep_static_shape``)."""
-    import dataclasses
-
-    import torch
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    if backend not in ("deepepv2", "ncclep"):
-        return {}
-    out: Dict[str, Any] = {"dtype": torch.bfloat16}
-    if backend == "deepepv2":
-        out["hidden"] = 256
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    if backend == "ncclep" and "moe_ncclep_static_shape" in fields:
-        out["moe_expert_rank_capacity_factor"] = 2.0
-    return out
-
-
 def planner_terms(config, tokens: int, ep: int, local_rank: Optional[int] = None) -> list:
     """The tree's memory planner's terms for ``config``'s communication buffers on the rank
     ``local_rank`` (HybridEP's local rank 0 holds flags its peers map; None: a peer)."""
@@ -66,27 +46,6 @@ def planner_terms(config, tokens: int, ep: int, local_rank: Optional[int] = None
     return planner.buffer_terms(cfg)
 
 
-def _step(layer, tokens: int, seed: int) -> Dict[str, Any]:
-    """Forward, backward and an SGD update of ``layer``; its output and gradients."""
-    import torch
-    import torch.distributed as dist
-
-    world, rank = dist.get_world_size(), dist.get_rank()
-    gen = torch.Generator().manual_seed(seed)
-    xs = torch.randn(world, tokens, layer.config.hidden_size, generator=gen)
-    x = xs[rank].to(layer.config.params_dtype).view(tokens, 1, -1).requires_grad_()
-    y, _ = layer(x)
-    y.float().pow(2).sum().backward()
-    out = {"y": y.detach().clone(), "x_grad": x.grad.clone(), "grads": {}}
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            if p.grad is not None:
-                out["grads"][name] = p.grad.clone()
-                p -= 0.01 * p.grad.to(p.dtype)
-            p.grad = None
-    return out
-
-
 def rank_loop(backend: str, release: bool, tokens: int = TOKENS) -> Dict[str, Any]:
     """Rank side: a training step, (every comm buffer released, a rollout allocating what that
     freed), the next training step. CPU runtime only: the counted allocator measures."""
@@ -95,7 +54,13 @@ def rank_loop(backend: str, release: bool, tokens: int = TOKENS) -> Dict[str, An
 
     from cpu_runtime import cpu_memory
     from cpu_runtime.compat import held_comm_buffers
-    from cpu_runtime.moe_harness import build_moe_layer, init_megatron, moe_config
+    from cpu_runtime.moe_harness import (
+        build_moe_layer,
+        init_megatron,
+        model_kwargs,
+        moe_config,
+        train_step,
+    )
     from megatron.core.transformer.moe import fused_a2a, moe_memory_planner
     from report.buffer_section import compare_terms
 
@@ -105,7 +70,7 @@ def rank_loop(backend: str, release: bool, tokens: int = TOKENS) -> Dict[str, An
     config = moe_config(backend, ep, **model_kwargs(backend))
     layer = build_moe_layer(config)
     layer.train()
-    out: Dict[str, Any] = {"first": _step(layer, tokens, 3)}
+    out: Dict[str, Any] = {"first": train_step(layer, tokens, 3)}
     if release:
         # The emulation's own reading of the buffers' allocations (HybridEP, DeepEP list them).
         emulated = [t for b in held_comm_buffers(fused_a2a) for t in getattr(b, "terms", ())]
@@ -122,7 +87,7 @@ def rank_loop(backend: str, release: bool, tokens: int = TOKENS) -> Dict[str, An
         out["rollout_over_training"] = cpu_memory.max_memory_allocated() - before
         del rollout
         out.update(freed=freed, predicted=moe_memory_planner.released_bytes(planned))
-    out["second"] = _step(layer, tokens, 4)
+    out["second"] = train_step(layer, tokens, 4)
     return out
 
 

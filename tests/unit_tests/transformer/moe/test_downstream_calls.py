@@ -44,9 +44,8 @@ GLOBALS = {
 
 
 def _setup(backend: str):
-    from cpu_runtime.moe_harness import build_moe_layer, init_megatron, moe_config
+    from cpu_runtime.moe_harness import build_moe_layer, init_megatron, model_kwargs, moe_config
     from megatron.core.transformer.moe import fused_a2a
-    from report.colocated_section import model_kwargs
 
     init_megatron(ep=dist.get_world_size())
     kwargs = dict(dict(hidden=HIDDEN), **model_kwargs(backend))  # DeepEP v2: bf16, hidden 256
