@@ -11,18 +11,11 @@ its unit, and marks the required ones."""
 
 import sys
 from pathlib import Path
-from types import ModuleType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from memory_plan.cli import main  # noqa: E402
-from memory_plan.pricing import planner  # noqa: E402
-
-
-def load_planner() -> ModuleType:
-    """The pricing module (the overlay's ``moe_memory_planner``, loaded by path once)."""
-    return planner
-
+from memory_plan.pricing import load_planner  # noqa: E402, F401 - the tests' route to the planner
 
 if __name__ == "__main__":
     sys.exit(main())

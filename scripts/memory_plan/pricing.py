@@ -19,3 +19,8 @@ def _load() -> ModuleType:
 
 
 planner = _load()
+
+
+def load_planner() -> ModuleType:
+    """The pricing module (the overlay's ``moe_memory_planner``, loaded by path once)."""
+    return planner

@@ -110,9 +110,9 @@ def buffer_prediction(
     backend = cfg["backend"]
     if cfg.get("dispatcher", "flex") != "flex" or backend not in ("hybridep", "deepep"):
         return None
-    import moe_memory_plan
+    from memory_plan.pricing import load_planner
 
-    planner = moe_memory_plan.load_planner()
+    planner = load_planner()
     mc = planner.MoEMemoryConfig(
         hidden_size=cfg["hidden"], num_moe_experts=cfg["experts"], moe_router_topk=cfg["topk"],
         num_layers=cfg.get("layers", 1), expert_model_parallel_size=world,
