@@ -48,12 +48,18 @@ def test_run_matches_golden_values(report):
     assert cli.compare_golden(golden, actual) == []
 
 
+# What a rank holds between calls moves by a few routing-sized host bytes from run to run (rank
+# 0's base: 8,396,155 B in the golden run, 8,396,179 B in a CI run of 2026-12-05, where the drop
+# came 8 B short of the dispatcher's 936,416 B); the fault matrix allows the same 128 B.
+HELD_JITTER_BYTES = 128
+
+
 def test_patched_holds_nothing_between_calls(report):
     for base, patched in zip(report["base"], report["patched"]):
         assert all(b > 0 for b in base["dispatcher_held_bytes"])
         assert patched["dispatcher_held_bytes"] == [0] * len(base["dispatcher_held_bytes"])
         held_drop = base["held_between_calls"] - patched["held_between_calls"]
-        assert held_drop >= sum(base["dispatcher_held_bytes"])
+        assert held_drop >= sum(base["dispatcher_held_bytes"]) - HELD_JITTER_BYTES
 
 
 def test_missing_release_fails_the_golden_comparison(report):
