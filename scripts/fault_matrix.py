@@ -148,9 +148,9 @@ def materialize(src: Path, row: str, base: Optional[str], checkout: Optional[str
 
 def run_row(tree: Path, backends, scenarios, label: str) -> Dict[str, dict]:
     """Every cell of one tree: ``{"scenario/backend": summary}``."""
-    from patchtool.trees import flex_backends
+    from patchtool.backends import available
 
-    has = set(flex_backends(str(tree))) | set(fs.DISPATCHERS)
+    has = set(available(str(tree))) | set(fs.DISPATCHERS)
     out = {}
     for backend in backends:
         if backend not in has:

@@ -32,27 +32,24 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Optional
 
+from .backends import NAMES, ONLY_SOME_TREES, available
 from .common import REPO_ROOT, UserError
 from .patches import overlay_label
 from .pins import Base, load_pins
 from .repo import overlay_files, read_series
-from .trees import flex_backends
 
 RUNS_DIR = Path(".build") / "test-runs"
 CHECKOUT_PREFIX = "checkout-"
 BEGIN, END = "<!-- moe-release matrix -->", "<!-- /moe-release matrix -->"
 COLUMNS = (
-    "flex-hybridep",
-    "flex-deepep",
-    "flex-deepepv2",
-    "flex-ncclep",
+    *(f"flex-{name}" for name in NAMES),
     "alltoall",
     "allgather",
     "A2A-overlap",
     "other",
 )
 # The flex backends a column stands for (a base without the backend has no tests there: n/a).
-BACKEND_COLUMNS = {"flex-deepepv2": "deepepv2", "flex-ncclep": "ncclep"}
+BACKEND_COLUMNS = {f"flex-{name}": name for name in ONLY_SOME_TREES}
 
 
 def column(nodeid: str) -> str:
@@ -170,7 +167,7 @@ def record_run(
             "source": source,
             "unpatched_release_tests": {n: before.get(n, "deselected") for n in release},
         }
-        backends = flex_backends(tree)
+        backends = available(tree)
     else:
         base = load_pins(root / "patches" / "pins.toml").get(name)
         extra, backends = {"label": series_label(base, root)}, None
@@ -186,7 +183,7 @@ def record_run(
         "release_tests": release,
         # The flex backends the tree offers: a backend's column is n/a on a base without it.
         "backends": sorted(
-            backends if backends is not None else flex_backends(patched_tree_dir(base, root))
+            backends if backends is not None else available(patched_tree_dir(base, root))
         ),
     }
     out = root / RUNS_DIR / f"{name}.json"

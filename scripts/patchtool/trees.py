@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
 import json
@@ -261,27 +260,3 @@ def ensure_trees(root: Path = REPO_ROOT, version: Optional[str] = None) -> tuple
         if old.name not in wanted and old.name.startswith(same_base):
             shutil.rmtree(old, ignore_errors=True)
     return trees_dir / f"base-{base.dirname}", trees_dir / patched.dirname
-
-
-def flex_backends(tree: Path | str) -> frozenset[str]:
-    """The flex dispatcher backends a megatron-core tree offers: the values of its
-    ``TransformerConfig.moe_flex_dispatcher_backend`` annotation (a ``Literal``), read from the
-    source (0.16-0.18: deepep, hybridep; 0.19: + ncclep; dev: + deepepv2). Empty where the tree
-    has no such field or cannot be read."""
-    path = Path(tree) / "megatron" / "core" / "transformer" / "transformer_config.py"
-    try:
-        module = ast.parse(path.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, ValueError):
-        return frozenset()
-    for node in ast.walk(module):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and node.target.id == "moe_flex_dispatcher_backend"
-        ):
-            return frozenset(
-                c.value
-                for c in ast.walk(node.annotation)
-                if isinstance(c, ast.Constant) and isinstance(c.value, str)
-            )
-    return frozenset()

@@ -20,9 +20,11 @@ differ.
 import gc
 from typing import Any, Callable, Dict, List, Optional
 
+from patchtool import backends
+
 TOKENS = 12
 EP = 2
-BACKENDS = ("hybridep", "deepep", "deepepv2", "ncclep")
+BACKENDS = backends.NAMES
 
 
 def planner_terms(config, tokens: int, ep: int, local_rank: Optional[int] = None) -> list:
@@ -127,15 +129,13 @@ def measure_backend(run: Callable[..., List[Any]], tree: str, backend: str) -> D
 
 def measure(tree: str, log: Callable[[str], None] = print, run=None) -> Dict[str, Any]:
     """Every backend's row on the patched ``tree``; None for a backend the tree lacks."""
-    from patchtool.trees import flex_backends
-
     if run is None:
         from cpu_runtime.launcher import run_distributed
 
         def run(target, world, tree, **kwargs):
             return run_distributed(target, world, tree, kwargs, timeout=300)
 
-    has = flex_backends(tree)
+    has = backends.available(tree)
     out: Dict[str, Optional[Dict[str, Any]]] = {}
     for backend in BACKENDS:
         if backend in has:

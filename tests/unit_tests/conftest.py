@@ -72,9 +72,9 @@ def _tree_has(path: str, text: str) -> bool:
 
 
 def _tree_backends() -> frozenset:
-    from patchtool.trees import flex_backends
+    from patchtool import backends
 
-    return flex_backends(PATCHED_TREE) if PATCHED_TREE else frozenset()
+    return backends.available(PATCHED_TREE) if PATCHED_TREE else frozenset()
 
 
 def pytest_collection_modifyitems(config, items):

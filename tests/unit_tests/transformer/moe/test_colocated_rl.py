@@ -18,12 +18,15 @@ import sys
 
 import pytest
 
+from patchtool import backends
 from report import colocated_section
 
 BACKENDS = [
-    pytest.param(b, marks=[pytest.mark.flex_backend(b)] if b in ("deepepv2", "ncclep") else [])
+    pytest.param(b, marks=[pytest.mark.flex_backend(b)] if b in backends.ONLY_SOME_TREES else [])
     for b in colocated_section.BACKENDS
 ]
+# The emulations that list their allocations term by term (the report's backends).
+LISTED = backends.REPORT
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -34,7 +37,7 @@ def test_release_for_a_colocated_rollout(dist_job, patched_tree, backend):
     they freed; the next step re-creates them and both steps are bitwise those of the run
     without the release."""
     row = colocated_section.measure_backend(dist_job, patched_tree, backend)
-    listed = backend in ("hybridep", "deepep")
+    listed = backend in LISTED
     for rank, (freed, predicted) in enumerate(zip(row["freed"], row["predicted"])):
         mismatches = row["mismatches"][rank]
         assert (mismatches is not None) == listed, mismatches
@@ -48,9 +51,7 @@ def test_release_for_a_colocated_rollout(dist_job, patched_tree, backend):
 def test_report_rows(dist_job, patched_tree):
     """The report prints a row per backend: the bytes freed and the planner's, or n/a where
     the tree has no such backend."""
-    from patchtool.trees import flex_backends
-
-    has = flex_backends(patched_tree)
+    has = backends.available(patched_tree)
     section = {
         b: colocated_section.measure_backend(dist_job, patched_tree, b) if b in has else None
         for b in colocated_section.BACKENDS
@@ -62,5 +63,5 @@ def test_report_rows(dist_job, patched_tree):
             assert "n/a" in line and "not on 0.19.2" in line
         else:
             assert f"{row['freed'][0]:,}" in line and "bitwise" in line
-            listed = backend in ("hybridep", "deepep")  # the emulations that list their terms
+            listed = backend in LISTED
             assert "DIFFER" not in line and ("agree (every term)" in line) == listed, line

@@ -20,7 +20,7 @@ import pytest
 
 from cpu_runtime.launcher import DistributedTestError, run_distributed
 from cpu_runtime.placement import added_syncs
-from patchtool.trees import flex_backends
+from patchtool import backends
 from tests.unit_tests.release_cases import backport
 
 PATCHED_TREE = os.environ.get("MOE_RELEASE_TREE")
@@ -53,8 +53,8 @@ CONFIGS = [
 ]
 # The flex backends only some trees have (NCCL EP from 0.19, DeepEP v2 on dev) run where the
 # tree under test has them (an n/a column in the compatibility matrix elsewhere).
-TREE_BACKENDS = flex_backends(PATCHED_TREE) if PATCHED_TREE else frozenset()
-CONFIGS += [c for c in (("flex", "ncclep", 2), ("flex", "deepepv2", 2)) if c[1] in TREE_BACKENDS]
+TREE_BACKENDS = backends.available(PATCHED_TREE) if PATCHED_TREE else frozenset()
+CONFIGS += [("flex", b, 2) for b in backends.ONLY_SOME_TREES if b in TREE_BACKENDS]
 # Behind the `slow` marker (run with `scripts/run-tests -m slow`): each has an EP2 case by default
 # (EP1 of the all-to-all dispatcher runs drop-and-pad, HybridEP keeps its EP4 case).
 SLOW_CONFIGS = {
@@ -66,10 +66,8 @@ SLOW_CONFIGS = {
     ("allgather", None, 4),
 }
 # The release cases (`-m backport`, run against every pinned base): EP2 of each dispatcher, and
-# of each flex backend the tree has.
-EP2_FLEX = [
-    f"flex-{b}-ep2" for b in ("hybridep", "ncclep", "deepepv2") if ("flex", b, 2) in CONFIGS
-]
+# of each flex backend the tree has (DeepEP's only in EP2_ALL).
+EP2_FLEX = [f"flex-{b}-ep2" for b in backends.NAMES if b != "deepep" and ("flex", b, 2) in CONFIGS]
 EP2_ALL = EP2_FLEX + ["flex-deepep-ep2", "alltoall-dropless-ep2", "allgather-ep2"]
 
 
