@@ -47,7 +47,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-FLEX = ("hybridep", "deepep", "deepepv2", "ncclep")
+from patchtool import backends
+
+FLEX = backends.NAMES
 DISPATCHERS = ("alltoall", "allgather")
 BACKENDS = FLEX + DISPATCHERS
 SCENARIOS = ("a", "b", "c1", "c2", "d", "e", "f", "g-exc", "g-ret", "h", "i")

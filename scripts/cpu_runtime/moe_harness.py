@@ -18,6 +18,7 @@ from cpu_runtime.compat import (
     install_router_buffers_cpu_shim,
     install_tensor_parallel_cpu_shim,
 )
+from patchtool import backends
 
 
 def init_megatron(
@@ -112,7 +113,7 @@ def model_kwargs(backend: str) -> Dict[str, Any]:
 
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if backend not in ("deepepv2", "ncclep"):
+    if backend not in backends.BF16_PAYLOADS:
         return {}
     out: Dict[str, Any] = {"dtype": torch.bfloat16}
     if backend == "deepepv2":

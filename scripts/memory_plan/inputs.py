@@ -83,7 +83,8 @@ ARGS = {
     ),
     "moe_flex_dispatcher_backend": Arg(
         "--moe-flex-dispatcher-backend",
-        "flex backend: deepep, hybridep, deepepv2 or ncclep (default deepep)",
+        f"flex backend: {', '.join(planner.FLEX_BACKENDS[:-1])} or {planner.FLEX_BACKENDS[-1]}"
+        " (default deepep)",
         "BACKEND",
     ),
     "moe_flex_dispatcher_num_sms": Arg(

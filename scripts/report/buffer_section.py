@@ -15,6 +15,8 @@ import os
 import re
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
+from patchtool import backends
+
 
 def comm_buffer_lines(b: Optional[Dict[str, Any]], p: Optional[Dict[str, Any]]) -> List[str]:
     """Rows for the flex dispatcher's communication buffers and what releasing them returns."""
@@ -108,7 +110,7 @@ def buffer_prediction(
     routing. ``rank``: the rank priced (HybridEP's local rank 0 also holds the flags its peers
     map); None prices a rank other than local rank 0."""
     backend = cfg["backend"]
-    if cfg.get("dispatcher", "flex") != "flex" or backend not in ("hybridep", "deepep"):
+    if cfg.get("dispatcher", "flex") != "flex" or backend not in backends.REPORT:
         return None
     from memory_plan.pricing import load_planner
 

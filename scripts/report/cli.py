@@ -29,6 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from patchtool import backends
 from patchtool.trees import ensure_trees
 from report import buffer_section, colocated_section, overlap_section, step_profile
 from report.runs import WORLD, run
@@ -702,7 +703,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument(
         "--backend",
         default="hybridep",
-        choices=("hybridep", "deepep"),
+        choices=backends.REPORT,
         help="flex dispatcher backend (default: hybridep)",
     )
     parser.add_argument(

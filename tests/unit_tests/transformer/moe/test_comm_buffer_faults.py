@@ -27,12 +27,12 @@ from pathlib import Path
 import pytest
 
 from cpu_runtime import fault_scenarios as fs
+from patchtool import backends
 
 THIS = "tests.unit_tests.transformer.moe.test_comm_buffer_faults"
 GOLDEN = Path(__file__).with_name("golden_values") / "fault_matrix_base.json"
 # One variant of c and g by default (c2 and g-exc: the ones a GPU job hangs or leaks in).
 DEFAULT_SCENARIOS = ("a", "b", "c2", "d", "e", "f", "g-exc", "h", "i")
-ONLY_SOME_TREES = ("deepepv2", "ncclep")
 
 
 def _cases(scenarios):
@@ -41,7 +41,7 @@ def _cases(scenarios):
             s,
             b,
             id=f"{s}-{b}",
-            marks=[pytest.mark.flex_backend(b)] if b in ONLY_SOME_TREES else [],
+            marks=[pytest.mark.flex_backend(b)] if b in backends.ONLY_SOME_TREES else [],
         )
         for s in scenarios
         for b in fs.BACKENDS
