@@ -6,6 +6,7 @@ Pure functions over bytes and their I/O are kept apart:
 
 * ``common`` - repository root, ``UserError``, progress on stderr
 * ``backends`` - the flex dispatcher's backends: one registry, and which a tree has
+* ``settings`` - every environment variable the tooling reads, one accessor each
 * ``pins`` - ``patches/pins.toml``
 * ``patches`` - series files and mboxes: parse, apply with zero fuzz, trailers, label (pure)
 * ``merge`` - the 3-way merge engine and its resolutions, shared by ``port`` and ``apply``
