@@ -13,7 +13,6 @@ Hidden 2048, 256 experts, top-8, 105,153 tokens per rank, EP2, bf16, fp32 router
 """
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -61,8 +60,9 @@ def main(argv=None) -> int:
     routing = {"kind": "balanced"}
     if args.routing.startswith("random:"):
         routing = {"kind": "random", "seed": int(args.routing.split(":", 1)[1])}
-    trees = {"base": os.environ.get("MOE_RELEASE_BASE_TREE"),
-             "patched": os.environ.get("MOE_RELEASE_TREE")}  # fmt: skip
+    from patchtool import settings  # scripts/ is on sys.path from here on
+
+    trees = {"base": settings.base_tree(), "patched": settings.tree()}
     for kind in args.trees.split(","):
         if not trees.get(kind):
             sys.exit(f"production_shape_terms: no {kind} tree (eval scripts/moe_release.py trees)")

@@ -24,6 +24,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from patchtool import settings
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SOURCE = Path(__file__).with_name("cpu_memory_counter.cpp")
 
@@ -46,7 +48,7 @@ def build() -> Path:
         return lib
     torch_dir = Path(torch.__file__).parent
     lib.parent.mkdir(parents=True, exist_ok=True)
-    cxx = os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "g++"
+    cxx = settings.cxx() or sysconfig.get_config_var("CXX") or "g++"
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         out = Path(tmp) / lib.name
         cmd = [

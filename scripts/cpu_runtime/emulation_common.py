@@ -13,7 +13,6 @@ host memory where gloo cannot take a device tensor. Only torch, the standard lib
 megatron-core is first imported.
 """
 
-import os
 import re
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from cpu_runtime import placement
+from patchtool import settings
 
 
 class EventHandle:
@@ -111,7 +111,7 @@ def env_int(name: str, default: int) -> int:
     """An integer environment setting as C's ``atoi`` reads it (leading blanks, a sign, the
     digits that follow; 0 if none), ``default`` when unset: how deep_ep reads its tuning
     variables (``get_env_int``, ``csrc/hybrid_ep/config.cuh:197-200``)."""
-    raw = os.environ.get(name)
+    raw = settings.deep_ep_variable(name)
     if raw is None:
         return default
     match = re.match(r"[ \t\n\v\f\r]*([+-]?[0-9]+)", raw)

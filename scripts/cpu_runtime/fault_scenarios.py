@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from patchtool import backends
+from patchtool import backends, settings
 
 FLEX = backends.NAMES
 DISPATCHERS = ("alltoall", "allgather")
@@ -199,7 +199,7 @@ def _init() -> None:
 
     from cpu_runtime.moe_harness import init_megatron
 
-    timeout = float(os.environ.get("MOE_RELEASE_FAULT_GLOO_TIMEOUT", GLOO_TIMEOUT))
+    timeout = settings.fault_gloo_timeout(GLOO_TIMEOUT)
     init_megatron(ep=dist.get_world_size(), timeout_minutes=timeout / 60)
 
 

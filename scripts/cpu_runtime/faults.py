@@ -49,6 +49,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from patchtool import settings
+
 # torch.distributed's collectives (point-to-point sends are not collectives and are not logged).
 COLLECTIVES = (
     "barrier",
@@ -102,7 +104,7 @@ def device_barrier_timeout() -> float:
     """Seconds a device-side barrier waits for its peers before it "traps"
     (``MOE_RELEASE_DEVICE_BARRIER_TIMEOUT``, default 30: DeepEP's kernels give up after about
     100 s of GPU cycles; the emulation's default is shorter so a job fails within its deadline)."""
-    return float(os.environ.get("MOE_RELEASE_DEVICE_BARRIER_TIMEOUT", "30"))
+    return settings.device_barrier_timeout()
 
 
 class DeviceBarrierTimeout(RuntimeError):
@@ -279,7 +281,7 @@ def tag_atexit_hooks() -> None:
 def install(log_path: Optional[str] = None) -> None:
     """Log every torch.distributed collective of this process (idempotent), with its context;
     append each entry to ``log_path`` (default ``MOE_RELEASE_FAULT_LOG``) as it is made."""
-    log_path = log_path or os.environ.get("MOE_RELEASE_FAULT_LOG")
+    log_path = log_path or settings.fault_log()
     if log_path and _STATE["fd"] is None:
         _STATE["fd"] = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     if _STATE["installed"]:

@@ -166,7 +166,6 @@ packed memory handles are pageable host tensors (``intranode.cu:245,292``,
 (``hybrid_ep_buffer.py:61``) and its 512-byte probe are dropped when the constructor returns.
 """
 
-import os
 import socket
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -193,6 +192,7 @@ from cpu_runtime.emulation_common import (
     sent_token_ids,
     sum_rows,
 )
+from patchtool import settings
 
 # The DeepEP commit the tables above were read from.
 DEEP_EP_SOURCE_COMMIT = "94a9f8f6b146c07d97ec58f67cd6d303296d6098"
@@ -397,7 +397,7 @@ class HybridEPBuffer:
         self.num_of_ranks_per_nvlink_domain = num_of_ranks_per_nvlink_domain
         # The NVLink domain: the environment's size, else every rank of the group (on CPU ranks
         # all are "accessible"), hybrid_ep_buffer.py:62-83.
-        env = os.environ.get(RANKS_PER_DOMAIN_ENV)
+        env = settings.deep_ep_variable(RANKS_PER_DOMAIN_ENV)
         domain = int(env) if env is not None else self.group_size
         if domain != self.group_size:
             raise NotImplementedError(

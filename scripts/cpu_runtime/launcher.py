@@ -29,6 +29,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from patchtool import settings
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO_ROOT / "scripts"
 
@@ -218,7 +220,7 @@ _MAX_ZYGOTES = 4
 def fork_server_enabled() -> bool:
     """``MOE_RELEASE_FORK`` (default on): ``0`` starts every CPU rank as a fresh interpreter
     instead of forking it from a zygote that has imported torch and megatron-core."""
-    return os.environ.get("MOE_RELEASE_FORK", "1") != "0"
+    return settings.fork()
 
 
 class _ForkedRank:
@@ -337,7 +339,7 @@ def close_zygotes() -> None:
 def placement_rules_enabled() -> bool:
     """``MOE_RELEASE_PLACEMENT`` (default on): ``0`` spawns CPU ranks without the placement
     rules of :mod:`cpu_runtime.placement` (to tell a rule's failure from the code's)."""
-    return os.environ.get("MOE_RELEASE_PLACEMENT", "1") != "0"
+    return settings.placement()
 
 
 def _load_result(path: Path) -> Any:
@@ -416,7 +418,7 @@ def _rank_main(job: Path) -> int:
         if spec["emulate_deep_ep"]:
             from cpu_runtime.compat import install_kernel_emulations
 
-            install_kernel_emulations(os.environ.get("MOE_RELEASE_TREE"), spec["force_emulation"])
+            install_kernel_emulations(settings.tree(), spec["force_emulation"])
         if spec["device"] == "cpu" and spec.get("placement", True):
             # CUDA's placement rules on the host (cpu_runtime.placement): a rank refuses
             # what a GPU would refuse.

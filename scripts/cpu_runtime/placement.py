@@ -62,6 +62,7 @@ from cpu_runtime.placement_state import (  # the state the host streams share (s
     count_sync,
     placement_of,
 )
+from patchtool import settings
 
 HOST = (PINNED, PAGEABLE)
 
@@ -73,7 +74,7 @@ _DEVICE = _TENSOR_DICT["device"]
 _IS_CPU = _TENSOR_DICT["is_cpu"]
 
 _THIS_FILE = __file__
-_TRACE = os.environ.get("MOE_RELEASE_PLACEMENT_TRACE") == "1"
+_TRACE = settings.placement_trace()
 
 
 class PlacementError(RuntimeError):

@@ -30,7 +30,6 @@ the same program at small sizes gives the same trace both ways (the mode's own t
 
 import contextlib
 import functools
-import os
 import sys
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -48,6 +47,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_modes
 from torch.utils._pytree import tree_map
+
+from patchtool import settings
 
 aten = torch.ops.aten
 
@@ -187,7 +188,7 @@ class LiveBytes:
         self._refs: Dict[int, weakref.ref] = {}
         self._sizes: Dict[int, int] = {}
         self._total = 0
-        self.check = bool(os.environ.get("MOE_RELEASE_LIVE_BYTES_CHECK"))
+        self.check = settings.live_bytes_check()
         self.trace: List[Tuple[str, int]] = []
         self.recording = False
         self.peak = 0
@@ -689,7 +690,7 @@ class _Values:
 def _why(reason: str) -> str:
     """A chain of ops (``a <- b <- ... <- first unknown``) cut to its ends."""
     links = reason.split(" <- ")
-    if len(links) > 6 and not os.environ.get("MOE_RELEASE_PRODUCTION_SHAPE_CHAINS"):
+    if len(links) > 6 and not settings.production_shape_chains():
         links = links[:3] + [f"... {len(links) - 5} ops ..."] + links[-2:]
     return " <- ".join(links)
 

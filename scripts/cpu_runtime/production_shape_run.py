@@ -12,7 +12,6 @@ autograd graphs keep).
 """
 
 import gc
-import os
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
@@ -25,6 +24,7 @@ from cpu_runtime.production_shape import (
     bytes_of,
     routing_policy,
 )
+from patchtool import settings
 
 MODES = ("real", "fake")
 
@@ -179,17 +179,10 @@ def run(tree: str, world_size: int, timeout: float = 600.0, **kwargs) -> List[Di
     off; returns each rank's result."""
     from cpu_runtime.launcher import run_distributed
 
-    saved = os.environ.get("MOE_RELEASE_PLACEMENT")
-    os.environ["MOE_RELEASE_PLACEMENT"] = "0"
-    try:
+    with settings.override("MOE_RELEASE_PLACEMENT", "0"):
         return run_distributed(
             "cpu_runtime.production_shape_run:measure", world_size, tree, kwargs, timeout
         )
-    finally:
-        if saved is None:
-            del os.environ["MOE_RELEASE_PLACEMENT"]
-        else:
-            os.environ["MOE_RELEASE_PLACEMENT"] = saved
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,6 +42,8 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
+from patchtool import settings
+
 # Types whose instances' attributes the walk follows (beyond containers, modules and tensors).
 _WALKED_MODULES = ("megatron", "cpu_runtime", "deep_ep", "hybrid_ep", "transformer_engine")
 _SKIPPED_MODULES = ("cpu_runtime.production_shape", "cpu_runtime.retained_origins")
@@ -400,18 +402,9 @@ def measure_origins(
 def run_origins(tree: str, world_size: int, timeout: float = 600.0, **kwargs):
     """:func:`measure_origins` on ``world_size`` gloo ranks of ``tree`` (parent side), placement
     rules off; returns each rank's result."""
-    import os
-
     from cpu_runtime.launcher import run_distributed
 
-    saved = os.environ.get("MOE_RELEASE_PLACEMENT")
-    os.environ["MOE_RELEASE_PLACEMENT"] = "0"
-    try:
+    with settings.override("MOE_RELEASE_PLACEMENT", "0"):
         return run_distributed(
             "cpu_runtime.retained_origins:measure_origins", world_size, tree, kwargs, timeout
         )
-    finally:
-        if saved is None:
-            del os.environ["MOE_RELEASE_PLACEMENT"]
-        else:
-            os.environ["MOE_RELEASE_PLACEMENT"] = saved

@@ -28,6 +28,8 @@ import signal
 import sys
 from pathlib import Path
 
+from patchtool import settings
+
 # What every CPU rank of the suite imports: megatron-core's model, MoE and schedule modules.
 # A module the tree lacks is skipped (older bases); an import error is left for the rank.
 PRELOAD = (
@@ -56,7 +58,7 @@ def _prepare(spec: dict) -> None:
     if spec["emulate_deep_ep"]:
         from cpu_runtime.compat import install_kernel_emulations
 
-        install_kernel_emulations(os.environ.get("MOE_RELEASE_TREE"), spec["force_emulation"])
+        install_kernel_emulations(settings.tree(), spec["force_emulation"])
     if spec["placement"]:
         from cpu_runtime import placement
 

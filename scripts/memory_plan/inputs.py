@@ -8,10 +8,11 @@ refusing source line); deprecated fields megatron still accepts are read, with a
 import argparse
 import difflib
 import math
-import os
 import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
+
+from patchtool import settings
 
 from .pricing import planner
 
@@ -372,7 +373,7 @@ def _ranks_per_node_from_env(values: Dict[str, object], notes: List[str]) -> Non
     set, over what it detects (``deep_ep/hybrid_ep_buffer.py:63-72``, ``int()``), and asserts
     it divides the group (``:74-76``): so does the plan of a hybridep configuration, with a
     note where it overrides ``--ranks-per-node``."""
-    raw = os.environ.get(RANKS_ENV)
+    raw = settings.deep_ep_variable(RANKS_ENV)
     if raw is None or values.get("moe_flex_dispatcher_backend") != "hybridep":
         return
     try:

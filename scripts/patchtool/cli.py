@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
+from . import settings
 from .apply import choose_series, history, open_checkout, run_apply, run_record, run_resolve
 from .apply import report_lines as apply_report_lines
 from .check import check_base, find_installed_core, verify_installed
@@ -69,7 +70,7 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
                 print(f"{base.name}: skipped ({not_configured(base)})")
                 continue
             files = read_base_files(base)
-            print(f"{base.name}: {os.environ[CHECKOUT_ENV]} (commit {base.commit[:12]}, tree "
+            print(f"{base.name}: {settings.megatron_lm()} (commit {base.commit[:12]}, tree "
                   f"{base.tree[:12]}… verified; {len(files)} files)")  # fmt: skip
             continue
         path = fetch_sdist(base)
@@ -205,7 +206,7 @@ def _cmd_trees(args: argparse.Namespace) -> int:
 def _checkout_trees(args: argparse.Namespace) -> int:
     """trees --from-checkout: a checkout's patched and unpatched trees, as shell exports."""
     co = open_checkout(Path(args.from_checkout))
-    mirror = os.environ.get(CHECKOUT_ENV)
+    mirror = settings.megatron_lm()
     with tempfile.TemporaryDirectory(prefix="moe-trees-") as tmp:
 
         def line_of(commit: str) -> Optional[str]:
@@ -223,7 +224,7 @@ def _checkout_trees(args: argparse.Namespace) -> int:
     return 0
 
 
-BASES_ENV = "MOE_RELEASE_BASES"
+BASES_ENV = settings.BASES
 
 
 def listed_bases() -> list[str]:
@@ -232,7 +233,7 @@ def listed_bases() -> list[str]:
     with ``ci = false`` only when ``$MOE_RELEASE_BASES`` asks for it. ``$MOE_RELEASE_BASES``
     (names, space- or comma-separated, or ``all``) replaces the default selection."""
     pins = load_pins()
-    chosen = os.environ.get(BASES_ENV, "").replace(",", " ").split()
+    chosen = settings.bases()
     for name in chosen:
         if name != "all":
             pins.get(name)  # an unknown name is an error, not an empty loop
@@ -508,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mirror",
         metavar="CHECKOUT",
-        default=os.environ.get("MOE_RELEASE_MEGATRON_LM"),
+        default=settings.megatron_lm(),
         help="a Megatron-LM clone or mirror holding the main/dev variants' commits "
         "(default: $MOE_RELEASE_MEGATRON_LM)",
     )
@@ -564,7 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mirror",
         metavar="CHECKOUT",
-        default=os.environ.get("MOE_RELEASE_MEGATRON_LM"),
+        default=settings.megatron_lm(),
         help="a Megatron-LM git mirror whose history and bases' files count too, for a "
         "CHECKOUT that has not fetched the stored bases (default: $MOE_RELEASE_MEGATRON_LM)",
     )

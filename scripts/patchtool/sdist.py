@@ -13,17 +13,14 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from . import settings
 from .common import UserError, log
 from .pins import Base
 
 
 def cache_dir() -> Path:
     """Where verified sdists are kept."""
-    env = os.environ.get("MOE_RELEASE_CACHE")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "moe-release"
+    return settings.cache_dir()
 
 
 def fetch_sdist(base: Base, cache: Optional[Path] = None, python: str = sys.executable) -> Path:

@@ -27,11 +27,12 @@ import tarfile
 from pathlib import Path
 from typing import Optional
 
+from . import settings
 from .common import UserError
 from .pins import Base
 from .sdist import fetch_sdist, read_sdist
 
-CHECKOUT_ENV = "MOE_RELEASE_MEGATRON_LM"
+CHECKOUT_ENV = settings.MEGATRON_LM
 SDIST_DIRS = ("megatron/core/", "megatron/training/")
 PACKAGE_INFO = "megatron/core/package_info.py"
 SDIST_TOP_FILES = ("pyproject.toml", "README.md", "MANIFEST.in", "setup.py", "LICENSE")
@@ -43,7 +44,7 @@ Entries = dict[str, tuple[str, bytes]]  # path -> (git mode, bytes)
 
 def configured_checkout() -> Optional[Path]:
     """The Megatron-LM source named by ``$MOE_RELEASE_MEGATRON_LM`` (None: not configured)."""
-    value = os.environ.get(CHECKOUT_ENV, "").strip()
+    value = (settings.megatron_lm() or "").strip()
     return Path(value) if value else None
 
 

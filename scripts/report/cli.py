@@ -19,7 +19,6 @@ emulation on CUDA tensors over gloo (ranks may share one GPU).
 
 import argparse
 import json
-import os
 import random
 import re
 import statistics
@@ -29,7 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from patchtool import backends
+from patchtool import backends, settings
 from patchtool.trees import ensure_trees
 from report import buffer_section, colocated_section, overlap_section, step_profile
 from report.runs import WORLD, run
@@ -56,8 +55,8 @@ TIMING_STEPS = 10
 
 def trees() -> Tuple[str, str]:
     """(base tree, patched tree): from the environment, or materialized under .build/trees."""
-    base = os.environ.get("MOE_RELEASE_BASE_TREE")
-    patched = os.environ.get("MOE_RELEASE_TREE")
+    base = settings.base_tree()
+    patched = settings.tree()
     if base and patched:
         return base, patched
     base_path, patched_path = ensure_trees()

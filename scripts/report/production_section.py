@@ -18,7 +18,6 @@ the dispatcher's share of it, beside the planner's ``estimate()`` and the seed's
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -426,7 +425,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.layers:
         shape["layers"] = args.layers
     tokens = TINY_TOKENS if args.tiny else SEED_TOKENS
-    trees = {"base": os.environ["MOE_RELEASE_BASE_TREE"], "patched": os.environ["MOE_RELEASE_TREE"]}
+    from patchtool import settings  # scripts/ is on sys.path from here on
+
+    trees = {"base": settings.base_tree(required=True), "patched": settings.tree(required=True)}
     data = collect(trees, shape, tokens)
     forty = forty_layer_point(data)
     text = render(data, forty)

@@ -91,11 +91,12 @@ from cpu_runtime.host_streams import (
     HostStream,
     install_record_stream_stand_in,
 )
+from patchtool import settings
 
-CHECKOUT = Path(os.environ.get("UPSTREAM_CPU_CHECKOUT", os.getcwd())).resolve()
+CHECKOUT = Path(settings.upstream_cpu_checkout()).resolve()
 TESTS_DIR = str(CHECKOUT / "tests") + os.sep
 # The placement rules (default) or the plugin's own CUDA-to-host mode (UPSTREAM_CPU_PLACEMENT=0).
-PLACEMENT = os.environ.get("UPSTREAM_CPU_PLACEMENT", "1") != "0"
+PLACEMENT = settings.upstream_cpu_placement()
 # What the checkout's tests see as Transformer Engine's version under UPSTREAM_CPU_TE=local: the
 # lowest the A2A-overlap schedule tests ask for; below 2.3, so no fp8 recipe is parametrized.
 TE_VERSION_FOR_TESTS = "1.9.0"
@@ -214,7 +215,7 @@ def _get_device_name(device: Any = None) -> str:
 
 
 def _pg_timeout(timeout: Optional[datetime.timedelta]) -> datetime.timedelta:
-    cap = datetime.timedelta(seconds=float(os.environ.get("UPSTREAM_CPU_PG_TIMEOUT", "180")))
+    cap = datetime.timedelta(seconds=settings.upstream_cpu_pg_timeout())
     return cap if timeout is None else min(timeout, cap)
 
 
@@ -304,10 +305,10 @@ def _stub_downloader() -> None:
 
 
 def _install_deep_ep_emulation() -> None:
-    if os.environ.get("UPSTREAM_CPU_DEEP_EP", "") != "emulation":
+    if settings.upstream_cpu_deep_ep() != "emulation":
         return
     # The checkout under test is the working directory (run.py starts pytest there).
-    compat.install_kernel_emulations(os.environ.get("MOE_RELEASE_TREE") or os.getcwd())
+    compat.install_kernel_emulations(settings.tree() or os.getcwd())
 
 
 def _te_local_specs() -> None:
@@ -486,7 +487,7 @@ def install() -> None:
         # current_device, synchronize, the streams and events, record_stream: the rules' own.
         if not placement.install():
             raise RuntimeError("upstream_cpu: the placement rules did not install")
-        if os.environ.get("UPSTREAM_CPU_STREAM_ORDER", "1") == "0":
+        if not settings.upstream_cpu_stream_order():
             _without_stream_order()
     else:
         _install_host_device_mode()
@@ -501,9 +502,9 @@ def install() -> None:
     compat.install_tensor_parallel_cpu_shim()
     compat.install_dtoh_stream_cpu_shim()
     _destroy_groups_with_model_parallel()
-    if os.environ.get("UPSTREAM_CPU_TE", "") == "local":
+    if settings.upstream_cpu_te() == "local":
         _te_local_specs()
-    if os.environ.get("UPSTREAM_CPU_FP32_GEMM", "") == "1":
+    if settings.upstream_cpu_fp32_gemm():
         Fp32GemmMode().__enter__()
 
 
@@ -531,7 +532,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def _record(report, when: str) -> None:
-    out_dir = os.environ.get("UPSTREAM_CPU_REPORT_DIR")
+    out_dir = settings.upstream_cpu_report_dir()
     if not out_dir:
         return
     detail = ""
