@@ -13,12 +13,14 @@ import sys
 
 import pytest
 
+from patchtool import settings
+
 os.environ.setdefault("NO_VCS_VERSION", "1")
 # Every rank uses one thread; the pytest process itself only loads the emulation.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-PATCHED_TREE = os.environ.get("MOE_RELEASE_TREE")
-BASE_TREE = os.environ.get("MOE_RELEASE_BASE_TREE")
+PATCHED_TREE = settings.tree()
+BASE_TREE = settings.base_tree()
 
 if PATCHED_TREE:
     sys.path.insert(0, PATCHED_TREE)
