@@ -17,10 +17,10 @@ from pybind11.setup_helpers import Pybind11Extension
 from setuptools import find_namespace_packages, setup
 
 ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tools"))
 
-from patchtool.common import UserError  # noqa: E402
-from patchtool.trees import Tree, load_tree, write_tree_atomic  # noqa: E402
+from moe_release.series.common import UserError  # noqa: E402
+from moe_release.series.trees import Tree, load_tree, write_tree_atomic  # noqa: E402
 
 
 def _materialized_tree() -> tuple[Tree, str]:

@@ -3,15 +3,20 @@
 
 """Side-by-side memory report: unpatched megatron-core against the moe-release series.
 
-The entry point; the report is the ``report`` package next to this file (``report.cli``).
+The command is :func:`moe_release.report.cli.main` (tools/moe_release); this script runs it from a
+checkout without installing the package: ``tools/`` goes on ``sys.path`` in place of this script's
+directory.
 """
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [str(_HERE.parents[0] / "tools")] + [
+    p for p in sys.path if Path(p or ".").resolve() != _HERE
+]
 
-from report.cli import main  # noqa: E402
+from moe_release.report.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,16 +1,22 @@
 #!/usr/bin/env python3
-"""moe-release: maintain the MoE dispatcher patch series over a pinned megatron-core sdist.
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
 
-The entry point of the tooling (``python scripts/moe_release.py VERB``, see ``--help``); the
-logic lives in the ``patchtool`` package beside this file, one module per concern.
+"""moe-release: maintain the MoE dispatcher patch series (``python scripts/moe_release.py VERB``).
+
+The command is :func:`moe_release.series.cli.main` (tools/moe_release); this script runs it from a
+checkout without installing the package: ``tools/`` goes on ``sys.path`` in place of this script's
+directory.
 """
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [str(_HERE.parents[0] / "tools")] + [
+    p for p in sys.path if Path(p or ".").resolve() != _HERE
+]
 
-from patchtool.cli import main  # noqa: E402
+from moe_release.series.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

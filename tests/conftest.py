@@ -1,7 +1,7 @@
 """Shared by every test directory.
 
-The tooling and the CPU runtime live under scripts/ (``patchtool``, ``cpu_runtime``, the report
-modules); tests import them from there, never the reverse.
+The tooling (the ``moe_release`` package: the series, the CPU runtime, the planner's command, the
+report) lives under tools/, put first on ``sys.path`` here; tests import it, never the reverse.
 
 Under CI (``CI`` set, as the CI runner does) a skipped test fails the run: a skip there means
 the setup a test needs (the materialized trees, a venv) is missing, and a green run that
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = str(Path(__file__).resolve().parents[1] / "scripts")
-if SCRIPTS not in sys.path:
-    sys.path.insert(0, SCRIPTS)
+TOOLS = str(Path(__file__).resolve().parents[1] / "tools")
+if TOOLS not in sys.path:
+    sys.path.insert(0, TOOLS)
 
 _SKIPPED: list = []
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from patchtool.git import git, git_env
-from patchtool.pins import Base, Pins, load_pins
-from patchtool.repo import OVERLAY_DIRS
-from patchtool.sdist import fetch_sdist, read_sdist
+from moe_release.series.git import git, git_env
+from moe_release.series.pins import Base, Pins, load_pins
+from moe_release.series.repo import OVERLAY_DIRS
+from moe_release.series.sdist import fetch_sdist, read_sdist
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,14 +5,20 @@ on each, a series for each), and once on the real mirror where it is at hand."""
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import AUTHOR, TRAILERS
+from conftest import AUTHOR, REPO_ROOT, TRAILERS
 
-from patchtool import apply as apply_mod
-from patchtool import cli
-from patchtool.apply import (
+from moe_release.series import cli
+from moe_release.series.checkout import verify_checkout_install
+from moe_release.series.common import UserError
+from moe_release.series.git import format_patches, git, git_env
+from moe_release.series.merge import Resolution, file_diff, has_markers, merge_file
+from moe_release.series.source import CHECKOUT_ENV
+from moe_release.series.verbs import apply as apply_mod
+from moe_release.series.verbs.apply import (
     APPLIED,
     CONFLICT,
     LANDED,
@@ -23,11 +29,6 @@ from patchtool.apply import (
     resolution_path,
     run_apply,
 )
-from patchtool.checkout import verify_checkout_install
-from patchtool.common import UserError
-from patchtool.git import format_patches, git, git_env
-from patchtool.merge import Resolution, file_diff, has_markers, merge_file
-from patchtool.source import CHECKOUT_ENV
 
 MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
 TD = "megatron/core/transformer/moe/token_dispatcher.py"
@@ -596,8 +597,7 @@ def test_bad_input_is_one_line_exit_2_nothing_changed(mlm, tmp_path, capsys, cas
 
 def test_apply_help():
     done = subprocess.run(
-        [str(Path(cli.__file__).parents[2] / ".venv" / "bin" / "python"),
-         str(Path(cli.__file__).parents[1] / "moe_release.py"), "apply", "--help"],
+        [sys.executable, str(REPO_ROOT / "scripts" / "moe_release.py"), "apply", "--help"],
         capture_output=True, text=True,
     )  # fmt: skip
     assert done.returncode == 0 and "--dry-run" in done.stdout and "--out DIR" in done.stdout

@@ -1,7 +1,7 @@
-"""The flex backend registry (``scripts/patchtool/backends.py``): one spelling per backend, an
+"""The flex backend registry (``tools/moe_release/backends.py``): one spelling per backend, an
 emulation for each, the planner's names, detection in a real tree, and no other list of them.
 
-The list scan reads every ``.py`` under ``scripts/`` with ``ast`` (nothing is imported): a
+The list scan reads every ``.py`` under ``tools/`` with ``ast`` (nothing is imported): a
 tuple, list or set literal holding two or more of the registry's names is a backend list
 written out again, which a new backend would have to find and extend.
 """
@@ -10,16 +10,16 @@ import ast
 import importlib
 from pathlib import Path
 
-from patchtool import backends
+from moe_release import backends
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = REPO_ROOT / "scripts"
-REGISTRY_FILE = SCRIPTS / "patchtool" / "backends.py"
+TOOLS = REPO_ROOT / "tools"
+REGISTRY_FILE = TOOLS / "moe_release" / "backends.py"
 PLANNER = REPO_ROOT / "megatron" / "core" / "transformer" / "moe" / "moe_memory_planner.py"
 CONFIG = "megatron/core/transformer/transformer_config.py"
 
 
-def written_out_lists(root: Path = SCRIPTS, names=backends.NAMES) -> list[str]:
+def written_out_lists(root: Path = TOOLS, names=backends.NAMES) -> list[str]:
     """``path:line: names`` of each tuple, list or set literal under ``root`` (the registry's
     own file aside) that holds two or more of ``names`` as string constants."""
     out = []

@@ -14,20 +14,25 @@ from pathlib import Path
 import pytest
 from test_apply import FA, PS, TD, _apply, _commit, _git, mlm  # noqa: F401 (mlm: a fixture)
 
-from patchtool import cli
-from patchtool.apply import open_checkout
-from patchtool.check import find_installed_core
-from patchtool.checkout import (
+from moe_release.series import cli
+from moe_release.series.checkout import (
     LABEL_SUBJECT,
     build_checkout_trees,
     is_checkout_manifest,
     unpatched_commit,
     verify_checkout_install,
 )
-from patchtool.common import UserError
-from patchtool.matrix import compare_lines, record_run, retention_passed_unpatched, table
-from patchtool.repo import overlay_files
-from patchtool.trees import MANIFEST_PATH
+from moe_release.series.common import UserError
+from moe_release.series.repo import overlay_files
+from moe_release.series.trees import MANIFEST_PATH
+from moe_release.series.verbs.apply import open_checkout
+from moe_release.series.verbs.check import find_installed_core
+from moe_release.series.verbs.matrix import (
+    compare_lines,
+    record_run,
+    retention_passed_unpatched,
+    table,
+)
 
 PLANNER = "megatron/core/transformer/moe/moe_memory_planner.py"
 # Megatron-LM's packaging, as its pyproject.toml has it (the version read from package_info.py,

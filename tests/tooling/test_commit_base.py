@@ -14,12 +14,18 @@ import pytest
 from conftest import AUTHOR, REPO_ROOT, TRAILERS, run_git
 from packaging.requirements import Requirement
 
-from patchtool.check import check_base
-from patchtool.common import UserError
-from patchtool.git import create_edit_repo, export_series
-from patchtool.pins import load_pins
-from patchtool.source import CHECKOUT_ENV, _read_dir, git_tree_hash, read_base_files, read_commit
-from patchtool.trees import MANIFEST_PATH, load_tree
+from moe_release.series.common import UserError
+from moe_release.series.git import create_edit_repo, export_series
+from moe_release.series.pins import load_pins
+from moe_release.series.source import (
+    CHECKOUT_ENV,
+    _read_dir,
+    git_tree_hash,
+    read_base_files,
+    read_commit,
+)
+from moe_release.series.trees import MANIFEST_PATH, load_tree
+from moe_release.series.verbs.check import check_base
 
 SCRIPT = str(REPO_ROOT / "scripts" / "moe_release.py")
 FILES = {
@@ -198,7 +204,7 @@ def test_wheel_of_a_commit_base(tmp_path, fake):
     """`pip wheel .` with MOE_RELEASE_BASE=<commit base> builds `<version>+moerelease...`,
     which a requirement pinned to the commit's version accepts."""
     repo, clone, *_ = fake
-    for rel in ("setup.py", "pyproject.toml", "scripts/patchtool"):
+    for rel in ("setup.py", "pyproject.toml", "tools/"):
         src = REPO_ROOT / rel
         if src.is_dir():
             shutil.copytree(src, repo / rel, ignore=shutil.ignore_patterns("__pycache__"))

@@ -15,8 +15,8 @@ import pytest
 from conftest import REPO_ROOT
 from packaging.requirements import Requirement
 
-from patchtool.pins import load_pins
-from patchtool.trees import load_tree
+from moe_release.series.pins import load_pins
+from moe_release.series.trees import load_tree
 
 pytestmark = pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs to run in a venv")
 
@@ -115,8 +115,8 @@ def _installed_planner_prices_seed_000(python: Path) -> None:
     worked by hand from deep_ep's source (test_moe_memory_planner.py's seed-000 test), no
     dispatcher state (the installed tree releases it), and, priced as a tree that keeps it,
     the repository's base column for the same configuration."""
-    from memory_plan.compare import plan
-    from memory_plan.pricing import planner
+    from moe_release.plan.compare import plan
+    from moe_release.plan.pricing import planner
 
     done = subprocess.run(
         [str(python), "-c", PRICE_SEED_000, json.dumps(SEED_000)], capture_output=True, text=True,

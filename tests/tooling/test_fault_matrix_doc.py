@@ -1,20 +1,16 @@
 """`scripts/fault_matrix.py --out`: one generated block per base, the hand-written text kept."""
 
-import importlib.util
 import json
 
 from conftest import REPO_ROOT
+
+from moe_release.commands import fault_matrix
 
 GOLDEN = REPO_ROOT / "tests/unit_tests/transformer/moe/golden_values/fault_matrix_base.json"
 
 
 def _fault_matrix():
-    spec = importlib.util.spec_from_file_location(
-        "fault_matrix", REPO_ROOT / "scripts" / "fault_matrix.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return fault_matrix
 
 
 def test_each_base_keeps_its_own_block(tmp_path):

@@ -2,8 +2,16 @@
 
 import pytest
 
-from patchtool.common import UserError
-from patchtool.matrix import BEGIN, END, column, junit_outcomes, record_run, table, update_file
+from moe_release.series.common import UserError
+from moe_release.series.verbs.matrix import (
+    BEGIN,
+    END,
+    column,
+    junit_outcomes,
+    record_run,
+    table,
+    update_file,
+)
 
 # What tests/unit_tests/conftest.py writes for a test marked `backport` (a release test).
 RELEASE = '<properties><property name="moe_release_test" value="backport"/></properties>'

@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 from conftest import AUTHOR, REPO_ROOT, TRAILERS, run_git
 
-from patchtool.check import check_base, verify_installed
-from patchtool.common import UserError
-from patchtool.git import create_edit_repo, export_series, format_patches
-from patchtool.patches import (
+from moe_release.series.common import UserError
+from moe_release.series.git import create_edit_repo, export_series, format_patches
+from moe_release.series.patches import (
     apply_file_patch,
     check_trailers,
     parse_patch,
@@ -21,9 +20,9 @@ from patchtool.patches import (
     series_header,
     stamp_package_info,
 )
-from patchtool.pins import Base, load_pins, parse_pins
-from patchtool.sdist import fetch_sdist
-from patchtool.trees import (
+from moe_release.series.pins import Base, load_pins, parse_pins
+from moe_release.series.sdist import fetch_sdist
+from moe_release.series.trees import (
     MANIFEST_PATH,
     PACKAGE_INFO,
     build_tree,
@@ -31,6 +30,7 @@ from patchtool.trees import (
     load_tree,
     materialize,
 )
+from moe_release.series.verbs.check import check_base, verify_installed
 
 SCRIPT = REPO_ROOT / "scripts" / "moe_release.py"
 PRINT_VERSION = "import runpy, sys; print(runpy.run_path(sys.argv[1])['__version__'])"

@@ -8,11 +8,12 @@ from pathlib import Path
 
 from conftest import AUTHOR, REPO_ROOT, TRAILERS, run_git
 
-from patchtool.check import check_base
-from patchtool.git import create_edit_repo, export_series
-from patchtool.patches import parse_patch, parse_series
-from patchtool.pins import load_pins
-from patchtool.port import (
+from moe_release.series.git import create_edit_repo, export_series
+from moe_release.series.patches import parse_patch, parse_series
+from moe_release.series.pins import load_pins
+from moe_release.series.source import CHECKOUT_ENV
+from moe_release.series.verbs.check import check_base
+from moe_release.series.verbs.port import (
     RESOLUTIONS,
     all_target_names,
     get_target,
@@ -20,7 +21,6 @@ from patchtool.port import (
     report_lines,
     target_name,
 )
-from patchtool.source import CHECKOUT_ENV
 
 MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
 COMMIT_TARGETS = [target_name(b) for b in load_pins().bases.values() if b.is_commit]

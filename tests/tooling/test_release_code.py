@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from patchtool import drift
-from patchtool.common import UserError
+from moe_release.series.common import UserError
+from moe_release.series.verbs import drift
 
 TD = "megatron/core/transformer/moe/token_dispatcher.py"
 

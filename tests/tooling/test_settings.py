@@ -1,6 +1,6 @@
-"""The tooling's settings (``scripts/patchtool/settings.py``): one place reads the environment.
+"""The tooling's settings (``tools/moe_release/settings.py``): one place reads the environment.
 
-The scan reads every ``.py`` under ``scripts/`` with ``ast`` (nothing is imported). Outside
+The scan reads every ``.py`` under ``tools/`` with ``ast`` (nothing is imported). Outside
 ``settings.py`` a module may *write* the environment (``os.environ[k] = v``, ``setdefault``,
 ``update``, ``clear``) and copy it whole for a child (``dict(os.environ)``,
 ``os.environ.items()``), but a keyed read (``os.environ[k]``, ``os.environ.get(k)``,
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from patchtool import settings
+from moe_release import settings
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-SETTINGS_FILE = SCRIPTS / "patchtool" / "settings.py"
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+SETTINGS_FILE = TOOLS / "moe_release" / "settings.py"
 
 # torchrun (or the CPU launcher) sets these per rank; ranks read them as torch's env:// does.
 TORCH_LAUNCH = set("RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT".split())
@@ -42,12 +42,12 @@ def _key(node: ast.AST) -> str:
     return ast.unparse(node)
 
 
-def environment_reads(root: Path = SCRIPTS) -> list[str]:
+def environment_reads(root: Path = TOOLS) -> list[str]:
     """``path:line: variable`` of each keyed read of the environment under ``root`` (the
     settings module aside) that is not of a variable in :data:`ALLOWED`."""
     out = []
     for path in sorted(root.rglob("*.py")):
-        if path.relative_to(root) == SETTINGS_FILE.relative_to(SCRIPTS):
+        if path.relative_to(root) == SETTINGS_FILE.relative_to(TOOLS):
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
             keys = []
@@ -77,7 +77,7 @@ def environment_reads(root: Path = SCRIPTS) -> list[str]:
 def test_only_settings_reads_the_environment():
     reads = environment_reads()
     assert not reads, (
-        "read these through scripts/patchtool/settings.py (an accessor per variable):\n"
+        "read these through tools/moe_release/settings.py (an accessor per variable):\n"
         + "\n".join(reads)
     )
 

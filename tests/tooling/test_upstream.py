@@ -10,15 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from patchtool.cli import main as cli_main
-from patchtool.common import REPO_ROOT, UserError
-from patchtool.patches import check_trailers, parse_patch, upstream_subject
-from patchtool.pins import load_pins
-from patchtool.repo import read_series
-from patchtool.upstream import (
-    CPU_IMPORT_TITLE,
-    PR_SUMMARY,
-    TOPIC_BACKENDS,
+from moe_release.series.cli import main as cli_main
+from moe_release.series.common import REPO_ROOT, UserError
+from moe_release.series.patches import check_trailers, parse_patch, upstream_subject
+from moe_release.series.pins import load_pins
+from moe_release.series.repo import read_series
+from moe_release.series.topics import load_topics
+from moe_release.series.verbs.upstream import (
     VARIANT_TARGETS,
     check_export,
     export_subject,
@@ -26,7 +24,6 @@ from patchtool.upstream import (
     export_upstream,
     identity,
     is_placeholder_email,
-    load_topics,
     prerequisite_exports,
     prerequisites,
     target_base,
@@ -148,7 +145,9 @@ def test_topics_split_the_series(base):
     """One PR per code-owner area and topic, in series order; memory is the four together."""
     series = read_series(base)
     cpu, memory = topic_series(series, "cpu-import"), topic_series(series, "memory")
-    assert [parse_patch(d, n).subject for n, d in cpu] == [f"[MoE] L{CPU_IMPORT_TITLE}"]
+    assert [parse_patch(d, n).subject for n, d in cpu] == [
+        f"[MoE] L{TOPICS.get('cpu-import', 'subject')}"
+    ]
     assert len(memory) == len(series) - 1 and cpu[0] not in memory
     prs = {t: topic_series(series, t) for t in PR_TOPICS}
     assert [len(prs[t]) for t in PR_TOPICS] == [3, 3, 1, 3]
@@ -528,7 +527,8 @@ def test_every_patch_of_every_target_has_a_topic(base):
         parts = [n for t in TOPICS.names for n, _ in topic_series(whole, t)]
         assert sorted(parts) == sorted(n for n, _ in whole), target
     for topic in TOPICS.names:
-        assert topic in PR_SUMMARY and (topic == "cpu-import" or topic in TOPIC_BACKENDS)
+        assert TOPICS.get(topic, "summary") and TOPICS.get(topic, "related"), topic
+        assert topic == "cpu-import" or TOPICS.get(topic, "backends"), topic
         assert topic_test_files(topic), topic
 
 

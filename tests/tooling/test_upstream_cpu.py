@@ -1,19 +1,19 @@
-"""The upstream CPU harness (scripts/upstream_cpu) and the upstream-layout tests it runs.
+"""The upstream CPU harness (moe_release.upstream_tests) and the upstream-layout tests it runs.
 
 What CI can run: the PyPI sdist our trees come from has no ``tests/``, and CI cannot reach a
-Megatron-LM checkout. So :mod:`upstream_cpu.per_patch` builds scratch checkouts around trees of
-the sdist with a prefix of the series applied (their ``megatron/``), our upstream-layout test
-files from ``patches/upstream/tests`` and :mod:`upstream_cpu.standin_utils` (upstream's
-``Utils``, only what those tests use, with upstream's behaviour), and runs each patch's tests
-(``patches/upstream/patch-tests.toml``) through ``run.py`` on 8 gloo ranks, as upstream's CI runs
-them on 8 GPUs, on the tree without the patch (they must fail, for the manifest's reason) and
+Megatron-LM checkout. So :mod:`moe_release.upstream_tests.per_patch` builds scratch checkouts around
+trees of the sdist with a prefix of the series applied (their ``megatron/``), our upstream-layout
+test files from ``patches/upstream/tests`` and :mod:`moe_release.upstream_tests.standin_utils`
+(upstream's ``Utils``, only what those tests use, with upstream's behaviour), and runs each patch's
+tests (``patches/upstream/patch-tests.toml``) through ``run.py`` on 8 gloo ranks, as upstream's CI
+runs them on 8 GPUs, on the tree without the patch (they must fail, for the manifest's reason) and
 with it (they must pass). The default run does that for one patch; the ``slow`` cases for every
-patch, and for every test on the unpatched base against the whole series. A small
-upstream-style file (``upstream_standin/standin_placement_wiring.py``) checks that the plugin
-runs tests under the CPU runtime's placement rules (and without them, ``--no-placement``), and
-what ``--te-local-spec``/``--fp32-gemm`` give a test. Upstream's own test files and ``Utils``
-need a Megatron-LM checkout: the ``slow`` snapshot case runs them when the read-only mirror
-exists (never on CI), on core_r0.19.0 with and without the series.
+patch, and for every test on the unpatched base against the whole series. A small upstream-style
+file (``upstream_standin/standin_placement_wiring.py``) checks that the plugin runs tests under the
+CPU runtime's placement rules (and without them, ``--no-placement``), and what
+``--te-local-spec``/``--fp32-gemm`` give a test. Upstream's own test files and ``Utils`` need a
+Megatron-LM checkout: the ``slow`` snapshot case runs them when the read-only mirror exists (never
+on CI), on core_r0.19.0 with and without the series.
 """
 
 import ast
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import pytest
 
-from patchtool.common import UserError
-from patchtool.pins import load_pins
-from patchtool.repo import read_series
-from upstream_cpu import per_patch
-from upstream_cpu import run as harness
+from moe_release.series.common import UserError
+from moe_release.series.pins import load_pins
+from moe_release.series.repo import read_series
+from moe_release.upstream_tests import per_patch
+from moe_release.upstream_tests import run as harness
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RUN = REPO_ROOT / "scripts" / "upstream_cpu" / "run.py"

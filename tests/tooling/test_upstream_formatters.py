@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from patchtool.common import REPO_ROOT
-from patchtool.patches import parse_patch
-from patchtool.repo import read_series
-from patchtool.trees import build_tree
+from moe_release.series.common import REPO_ROOT
+from moe_release.series.patches import parse_patch
+from moe_release.series.repo import read_series
+from moe_release.series.trees import build_tree
 
 BLACK = [
     sys.executable, "-m", "black", "--check", "-q", "--line-length", "100",
@@ -77,7 +77,7 @@ def test_exported_tests_carry_only_their_branchs_shims(tmp_path, target, shims):
     """The export writes the shared upstream-layout tests without the shims of older release
     branches (main's and dev's PRs name no release branch), and what it writes still passes
     black and isort."""
-    from patchtool.upstream import export_test_files, target_series, topic_series
+    from moe_release.series.verbs.upstream import export_test_files, target_series, topic_series
 
     series = topic_series(target_series(target), "memory")
     files = export_test_files("memory", series, target=target)

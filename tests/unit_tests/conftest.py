@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from patchtool import settings
+from moe_release import settings
 
 os.environ.setdefault("NO_VCS_VERSION", "1")
 # Every rank uses one thread; the pytest process itself only loads the emulation.
@@ -74,7 +74,7 @@ def _tree_has(path: str, text: str) -> bool:
 
 
 def _tree_backends() -> frozenset:
-    from patchtool import backends
+    from moe_release import backends
 
     return backends.available(PATCHED_TREE) if PATCHED_TREE else frozenset()
 
@@ -125,7 +125,7 @@ def dist_job():
     Usage: ``dist_job(target, world_size, tree, **kwargs)``. A failing job is cached too, so the
     tests that share it all report the same rank tracebacks without re-spawning.
     """
-    from cpu_runtime.launcher import run_distributed
+    from moe_release.runtime.ranks.launcher import run_distributed
 
     cache = {}
 

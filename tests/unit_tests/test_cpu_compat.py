@@ -1,13 +1,13 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
-"""The host stand-ins for CUDA streams and device-to-host copies (cpu_runtime.compat) behave as
+"""The host stand-ins for CUDA streams and device-to-host copies (runtime.cuda.compat) behave as
 the CUDA calls they replace do, where megatron-core's all-to-all dispatcher can tell."""
 
 import numpy as np
 import pytest
 import torch
 
-from cpu_runtime.compat import (
+from moe_release.runtime.cuda.compat import (
     HostEvent,
     HostStream,
     HostStreams,
@@ -78,7 +78,7 @@ def rank_uneven_collectives():
     """Rank side: uneven all_gather/reduce_scatter against what NCCL would return."""
     import torch.distributed as dist
 
-    from cpu_runtime.compat import uneven_all_gather, uneven_reduce_scatter
+    from moe_release.runtime.cuda.compat import uneven_all_gather, uneven_reduce_scatter
 
     rank, world = dist.get_rank(), dist.get_world_size()
     sizes = [r + 1 for r in range(world)]  # rank r holds r + 1 rows
@@ -100,7 +100,7 @@ def rank_uneven_collectives():
 
 
 def test_uneven_collectives_match_the_nccl_semantics():
-    from cpu_runtime.launcher import run_distributed
+    from moe_release.runtime.ranks.launcher import run_distributed
 
     results = run_distributed(
         "tests.unit_tests.test_cpu_compat:rank_uneven_collectives", 2, "/nonexistent",

@@ -7,13 +7,13 @@ import subprocess
 import sys
 import textwrap
 
-from cpu_runtime import cpu_memory
-from cpu_runtime.launcher import SCRIPTS
+from moe_release.runtime.measure import cpu_memory
+from moe_release.runtime.ranks.launcher import TOOLS
 
 SCRIPT = textwrap.dedent(
     """
     import threading, torch
-    from cpu_runtime import cpu_memory as m
+    from moe_release.runtime.measure import cpu_memory as m
     torch.set_num_threads(1)
     before = torch.empty(10_000, dtype=torch.uint8)  # allocated before install: never counted
     m.install(); m.install()
@@ -61,7 +61,7 @@ SCRIPT = textwrap.dedent(
 def test_counting_allocator_matches_known_allocations():
     cpu_memory.build()
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=str(SCRIPTS), capture_output=True, text=True
+        [sys.executable, "-c", SCRIPT], cwd=str(TOOLS), capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("ok ")
@@ -76,11 +76,11 @@ def test_counter_refuses_to_count_when_broken(tmp_path):
     lib_dir.mkdir()
     (lib_dir / cpu_memory.SOURCE.name).write_text(broken)
     script = (
-        "import cpu_runtime.cpu_memory as m, pathlib\n"
+        "import moe_release.runtime.measure.cpu_memory as m, pathlib\n"
         f"m.SOURCE = pathlib.Path({str(lib_dir / cpu_memory.SOURCE.name)!r})\n"
         f"m._library_path = lambda: pathlib.Path({str(lib_dir / 'lib.so')!r})\n" + SCRIPT
     )
     result = subprocess.run(
-        [sys.executable, "-c", script], cwd=str(SCRIPTS), capture_output=True, text=True
+        [sys.executable, "-c", script], cwd=str(TOOLS), capture_output=True, text=True
     )
     assert result.returncode != 0 and "AssertionError" in result.stderr

@@ -1,6 +1,6 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
-"""The rank launcher's fork server (cpu_runtime.zygote): a forked rank is what a spawned one is.
+"""The rank launcher's fork server (runtime.ranks.zygote): a forked rank is what a spawned one is.
 
 Each job's ranks start from the zygote's state, never from an earlier job's; they see the same
 modules, deep_ep and rules as a fresh interpreter; a failing or hung rank is reported and
@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from cpu_runtime import launcher
-from cpu_runtime.launcher import DistributedTestError, run_distributed
+from moe_release.runtime.ranks import launcher
+from moe_release.runtime.ranks.launcher import DistributedTestError, run_distributed
 
 THIS = "tests.unit_tests.test_launcher"
 _STATE = {}
@@ -25,7 +25,7 @@ def rank_state(mark: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from cpu_runtime import placement
+    from moe_release.runtime.cuda import placement
 
     seen = dict(_STATE)
     _STATE["mark"] = mark

@@ -1,6 +1,6 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
-"""The peak attribution (cpu_runtime.peak_tensors) against allocations whose sizes, makers and
+"""The peak attribution (runtime.measure.peak_tensors) against allocations whose sizes, makers and
 lifetimes the test chooses (its oracle), in a fresh interpreter with the counting allocator:
 the blocks alive at the peak, the op and phase that made each, the bytes freed of blocks older
 than the recording, and the difference of two runs whose only change is when a tensor dies."""
@@ -9,12 +9,12 @@ import subprocess
 import sys
 import textwrap
 
-from cpu_runtime.launcher import SCRIPTS
+from moe_release.runtime.ranks.launcher import TOOLS
 
 SCRIPT = textwrap.dedent(
     """
     import torch
-    from cpu_runtime import cpu_memory as m, peak_tensors as pt
+    from moe_release.runtime.measure import cpu_memory as m, peak_tensors as pt
 
     torch.set_num_threads(1)
     m.install()
@@ -73,6 +73,6 @@ SCRIPT = textwrap.dedent(
 
 def test_peak_attribution_names_what_was_alive():
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=str(SCRIPTS), capture_output=True, text=True, timeout=99
+        [sys.executable, "-c", SCRIPT], cwd=str(TOOLS), capture_output=True, text=True, timeout=99
     )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

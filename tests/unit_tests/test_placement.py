@@ -1,6 +1,6 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
-"""The CPU runtime's placement rules refuse what CUDA refuses (cpu_runtime.placement).
+"""The CPU runtime's placement rules refuse what CUDA refuses (moe_release.runtime.cuda.placement).
 
 Each case is a program that is wrong on a GPU and must fail here too, or a program CUDA runs
 that must keep running (so the rules cannot be satisfied by refusing everything).
@@ -9,8 +9,8 @@ that must keep running (so the rules cannot be satisfied by refusing everything)
 import pytest
 import torch
 
-from cpu_runtime import placement as pl
-from cpu_runtime.host_streams import HOST_STREAMS, HostStream
+from moe_release.runtime.cuda import placement as pl
+from moe_release.runtime.cuda.host_streams import HOST_STREAMS, HostStream
 
 
 @pytest.fixture
@@ -279,7 +279,7 @@ def test_every_form_of_tensor_to(rules):
 def test_cuda_memory_stats_come_from_the_counting_allocator(rules, monkeypatch):
     """torch.cuda.memory_allocated of the emulated GPU is the counting host allocator's figure;
     without that counter it is refused (torch would answer 0 without a CUDA context)."""
-    from cpu_runtime import cpu_memory
+    from moe_release.runtime.measure import cpu_memory
 
     cpu_memory.install()
     before = torch.cuda.memory_allocated()

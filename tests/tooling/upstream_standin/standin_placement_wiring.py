@@ -1,6 +1,7 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
-"""Upstream-style tests of what the harness plugin (scripts/upstream_cpu/plugin.py) gives a test.
+"""Upstream-style tests of what the harness plugin (moe_release.upstream_tests.plugin) gives a
+test.
 
 ``test_upstream_cpu.py`` copies this file into a stand-in checkout as
 ``tests/unit_tests/test_placement_wiring.py`` and runs it through ``run.py``, with the placement

@@ -1,10 +1,10 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
 """The 1F1B A2A overlap under pipeline parallelism, as it is trained: megatron-core's
-``combined_1f1b_schedule_for_interleaved_pipelining`` through ``get_forward_backward_func()``
-on GPTModel chunks built per virtual stage (cpu_runtime.a2a_overlap), PP=2 x EP=2 on four gloo
-ranks, with megatron's training p2p for an interleaved schedule (``overlap_p2p_comm``, not
-batched) under NCCL's matching rule (cpu_runtime.p2p_rules).
+``combined_1f1b_schedule_for_interleaved_pipelining`` through ``get_forward_backward_func()`` on
+GPTModel chunks built per virtual stage (moe_release.runtime.megatron.a2a_overlap), PP=2 x EP=2 on
+four gloo ranks, with megatron's training p2p for an interleaved schedule (``overlap_p2p_comm``, not
+batched) under NCCL's matching rule (moe_release.runtime.cuda.p2p_rules).
 
 * Overlap on is bitwise equal to overlap off (losses on the last stage, every gradient of every
   chunk), on the patched tree and on the base.
@@ -22,9 +22,9 @@ batched) under NCCL's matching rule (cpu_runtime.p2p_rules).
 import pytest
 import torch
 
-from cpu_runtime.launcher import DistributedTestError
+from moe_release.runtime.ranks.launcher import DistributedTestError
 
-RUNNER = "cpu_runtime.a2a_overlap:overlap_run"
+RUNNER = "moe_release.runtime.megatron.a2a_overlap:overlap_run"
 SMALL = dict(experts=4, topk=2, hidden=16, ffn=32, heads=2, vocab=64, seq=8, mbs=2)
 SMALL.update(microbatches=4, seed=7)
 

@@ -3,7 +3,7 @@
 """The 1F1B A2A overlap (``overlap_moe_expert_parallel_comm``) through megatron-core's own
 schedule: ``get_forward_backward_func()`` -> combined 1F1B on a GPTModel (local spec, bf16,
 EP=2, four microbatches), on CPU gloo ranks with the host stream stand-ins
-(cpu_runtime.a2a_overlap).
+(moe_release.runtime.megatron.a2a_overlap).
 
 * The overlapped step is bitwise equal to the same step with the overlap off (losses and every
   parameter gradient), on the patched tree and on the base.
@@ -22,8 +22,8 @@ import torch
 
 from tests.unit_tests.release_cases import backport
 
-RUNNER = "cpu_runtime.a2a_overlap:overlap_run"
-LAYER_RUNNER = "cpu_runtime.a2a_overlap:layer_level_run"
+RUNNER = "moe_release.runtime.megatron.a2a_overlap:overlap_run"
+LAYER_RUNNER = "moe_release.runtime.megatron.a2a_overlap:layer_level_run"
 SMALL = dict(experts=4, topk=2, hidden=16, ffn=32, heads=2, vocab=64, seq=8, mbs=2)
 SMALL.update(microbatches=4, seed=7)
 
@@ -72,8 +72,8 @@ def test_overlap_is_bitwise_equal_to_no_overlap(dist_job, patched_tree, base_tre
 @pytest.mark.parametrize("case", CASES)
 def test_overlap_step_adds_no_host_sync(dist_job, patched_tree, base_tree, case):
     """The overlap patches add no device-to-host sync to the overlapped step (per kind and
-    file, as the dispatcher tests compare them; cpu_runtime.placement counts them)."""
-    from cpu_runtime.placement import added_syncs
+    file, as the dispatcher tests compare them; moe_release.runtime.cuda.placement counts them)."""
+    from moe_release.runtime.cuda.placement import added_syncs
 
     patched = _run(dist_job, patched_tree, case, overlap=True)
     base = _run(dist_job, base_tree, case, overlap=True)
@@ -143,9 +143,9 @@ def overlap_run_with_counts(cfg, device_counts=False):
     comm stream). That mode itself does not run here: 0.19.2 requires the TE op fuser for it,
     and SequentialMLP cannot split a static budget's ``[P, H]`` by counts summing to less.
     """
-    from cpu_runtime import placement
-    from cpu_runtime.a2a_overlap import overlap_run
     from megatron.core.transformer.moe import token_dispatcher as td
+    from moe_release.runtime.cuda import placement
+    from moe_release.runtime.megatron.a2a_overlap import overlap_run
 
     counts, streams = [], []
     dispatch = td._HybridEPManager.dispatch
@@ -293,8 +293,8 @@ def overlap_run_with_full_recompute(cfg):
     TransformerConfig refuses full recompute with the overlap, returns its message."""
     from megatron.core.models.common import model_chunk_schedule_plan as mcsp
 
-    from cpu_runtime.a2a_overlap import overlap_config, overlap_run
     from megatron.core.transformer.moe import moe_memory_probe as probe
+    from moe_release.runtime.megatron.a2a_overlap import overlap_config, overlap_run
 
     try:
         overlap_config(cfg)

@@ -1,12 +1,13 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
 """The host stand-ins for CUDA streams and events the overlap schedule runs on
-(cpu_runtime.host_streams, cpu_runtime.a2a_overlap): sequential, and logged in order."""
+(moe_release.runtime.cuda.host_streams, moe_release.runtime.megatron.a2a_overlap): sequential,
+and logged in order."""
 
 import pytest
 import torch
 
-from cpu_runtime.host_streams import (
+from moe_release.runtime.cuda.host_streams import (
     HOST_STREAMS,
     HostEvent,
     HostStream,
@@ -60,7 +61,7 @@ def rank_shim_scope():
     zeros) of the overlap modules, and nothing else of torch."""
     import importlib
 
-    from cpu_runtime import a2a_overlap
+    from moe_release.runtime.megatron import a2a_overlap
 
     changed = a2a_overlap.install_overlap_cpu_shim()
     assert a2a_overlap.install_overlap_cpu_shim() == []  # idempotent
@@ -75,7 +76,7 @@ def rank_shim_scope():
         )
     schedules = importlib.import_module("megatron.core.pipeline_parallel.schedules")
     zeros = schedules.torch.zeros([], dtype=torch.int, device="cuda")
-    from cpu_runtime import placement
+    from moe_release.runtime.cuda import placement
 
     return {
         "changed": changed,
@@ -87,7 +88,7 @@ def rank_shim_scope():
 
 
 def test_overlap_shim_replaces_only_stream_calls(dist_job, patched_tree):
-    from cpu_runtime import a2a_overlap
+    from moe_release.runtime.megatron import a2a_overlap
 
     res = dist_job(f"{__name__}:rank_shim_scope", 1, patched_tree)[0]
     assert res["changed"] == list(a2a_overlap.STREAM_MODULES + a2a_overlap.DEVICE_MODULES)

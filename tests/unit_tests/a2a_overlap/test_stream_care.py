@@ -19,14 +19,14 @@ import textwrap
 
 import pytest
 
-from cpu_runtime.launcher import REPO_ROOT, SCRIPTS
+from moe_release.runtime.ranks.launcher import REPO_ROOT, TOOLS
 
 pytestmark = pytest.mark.backport  # release tests: run against every pinned base
 
 SETUP = """
 import torch
-from cpu_runtime.compat import install_dtoh_stream_cpu_shim
-from cpu_runtime.host_streams import HOST_STREAMS, HostStream
+from moe_release.runtime.cuda.compat import install_dtoh_stream_cpu_shim
+from moe_release.runtime.cuda.host_streams import HOST_STREAMS, HostStream
 from megatron.core.transformer.moe import token_dispatcher as td
 
 install_dtoh_stream_cpu_shim()  # the module's torch.cuda.current_stream: the host stand-in
@@ -95,7 +95,7 @@ CASES = {
 
 
 def _run(tree: str, code: str) -> subprocess.CompletedProcess:
-    env = {"PYTHONPATH": f"{tree}:{SCRIPTS}", "CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": f"{tree}:{TOOLS}", "CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"}
     return subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=str(REPO_ROOT), capture_output=True,
         text=True, timeout=240,

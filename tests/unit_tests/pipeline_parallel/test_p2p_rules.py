@@ -1,6 +1,6 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
-"""NCCL's p2p matching rule on the CPU runtime (cpu_runtime.p2p_rules), through megatron-core's
+"""NCCL's p2p matching rule on the CPU runtime (p2p_rules), through megatron-core's
 own ``P2PCommunicator`` on gloo ranks.
 
 One steady-state exchange of the interleaved schedule: each stage sends an activation to the
@@ -23,9 +23,9 @@ def exchange(batch: bool, rules: bool) -> dict:
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-    from cpu_runtime import p2p_rules
-    from cpu_runtime.moe_harness import init_megatron
     from megatron.core import parallel_state
+    from moe_release.runtime.cuda import p2p_rules
+    from moe_release.runtime.megatron.moe_harness import init_megatron
 
     world = dist.get_world_size()
     init_megatron(ep=1, pp=world, vpp=2)

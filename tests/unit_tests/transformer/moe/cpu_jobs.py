@@ -14,8 +14,9 @@ from typing import Callable, Dict, Tuple
 import torch
 import torch.distributed as dist
 
-from cpu_runtime import cpu_memory, moe_harness
-from cpu_runtime.compat import stream_stand_in_of
+from moe_release.runtime.cuda.compat import stream_stand_in_of
+from moe_release.runtime.measure import cpu_memory
+from moe_release.runtime.megatron import moe_harness
 from tests.unit_tests.device_placement import FactoryPlacement
 from tests.unit_tests.transformer.moe import moe_cpu_harness as harness
 
@@ -413,8 +414,8 @@ def rng_shim_checks(verdicts: Verdicts) -> None:
 def base_shim_checks(tree_kind: str, shims, verdicts: Verdicts) -> None:
     """No shim for the CUDA-only allocations under the placement rules (they are the emulated
     GPU's), both without them, on either tree; the module globals stay torch's."""
-    from cpu_runtime import placement
     from megatron.core.transformer.moe import router, token_dispatcher
+    from moe_release.runtime.cuda import placement
 
     expected = [] if placement.active() else ["over_budget", "router_device"]
     cuda_only = [name for name in shims if name != "te_general_gemm"]  # 0.16's, not CUDA's
@@ -493,7 +494,7 @@ BREAKAGES = ("swap_rows", "drop_padding", "no_overflow_flag", "deepep_drop_last_
 def staged_kernel_checks(emu, verdicts: Verdicts) -> None:
     """The kernel checks again through the host-staged collectives a GPU run takes (gloo on
     CUDA tensors), forced here on host tensors: same results, and staging really used."""
-    from cpu_runtime import emulation_common
+    from moe_release.runtime.kernels import emulation_common
 
     original = emulation_common.staged_through_host
     used = []
@@ -514,7 +515,7 @@ def staged_kernel_checks(emu, verdicts: Verdicts) -> None:
 
 
 def _emulation():
-    return sys.modules["cpu_runtime.deep_ep_emulation"]
+    return sys.modules["moe_release.runtime.kernels.deep_ep_module"]
 
 
 def emulation_and_layer_job(tree_kind: str = "patched") -> Verdicts:

@@ -2,11 +2,11 @@
 
 """Rank-side test helpers: seeded weights and a dense oracle for megatron-core's real MoE layer.
 
-Everything here runs inside ranks spawned by ``cpu_runtime.launcher`` (the deep_ep emulation
-is installed before megatron is imported; ``cpu_runtime.moe_harness`` builds the layer). The
-oracle is written from the math, not from megatron: a dense single-process MoE over all ranks'
-tokens, with each rank's router copy kept separate so per-rank router gradients compare one to
-one.
+Everything here runs inside ranks spawned by ``moe_release.runtime.ranks.launcher`` (the deep_ep
+emulation is installed before megatron is imported; ``moe_release.runtime.megatron.moe_harness``
+builds the layer). The oracle is written from the math, not from megatron: a dense single-process
+MoE over all ranks' tokens, with each rank's router copy kept separate so per-rank router gradients
+compare one to one.
 """
 
 import contextlib

@@ -5,28 +5,28 @@ communication buffer released (``reset_fused_a2a_buffers()``), another workload 
 bytes that freed (a rollout engine on the same GPU), then the next training step re-creating the
 buffers, bitwise equal to the same two steps without the release.
 
-The loop is the memory report's (``report.colocated_section``), so what these tests check is
-what the report prints. megatron-core's real MoELayer on CPU gloo ranks, the backend's kernels
-emulated with their buffers allocated through the counted allocator. What the release frees
-is compared with the memory planner's prediction, a check of the planner: every emulation sizes
-its buffers from its own reading of the kernels' source, and for HybridEP and DeepEP the
-planner's terms are compared with the emulation's one by one. DeepEP v2 exists on dev only,
-NCCL EP from 0.19 (their cases are deselected elsewhere).
+The loop is the memory report's (``moe_release.report.colocated_section``), so what these tests
+check is what the report prints. megatron-core's real MoELayer on CPU gloo ranks, the backend's
+kernels emulated with their buffers allocated through the counted allocator. What the release frees
+is compared with the memory planner's prediction, a check of the planner: every emulation sizes its
+buffers from its own reading of the kernels' source, and for HybridEP and DeepEP the planner's terms
+are compared with the emulation's one by one. DeepEP v2 exists on dev only, NCCL EP from 0.19 (their
+cases are deselected elsewhere).
 """
 
 import sys
 
 import pytest
 
-from patchtool import backends
-from report import colocated_section
+from moe_release import backends
+from moe_release.report import colocated_section
 
 BACKENDS = [
     pytest.param(b, marks=[pytest.mark.flex_backend(b)] if b in backends.ONLY_SOME_TREES else [])
     for b in colocated_section.BACKENDS
 ]
-# The emulations that list their allocations term by term (the report's backends).
-LISTED = backends.REPORT
+# The emulations that list their allocations term by term (the backends the report prices).
+LISTED = backends.ACCOUNTED
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -3,19 +3,19 @@
 """The fault matrix (docs/fault-matrix.md): the communication buffers' lifecycle when something
 goes wrong, per scenario and backend, against the unpatched base's recorded cell.
 
-Each case is one cell of :mod:`cpu_runtime.fault_scenarios` on the patched tree: two rank
-processes that exit through the interpreter, every collective logged with its context
-(:mod:`cpu_runtime.faults`). The pass rule (``fault_scenarios.violations``): within the
-scenario's bound, exits within theirs, device bytes flat from cycle 1 to 5, no collective from a
-finalizer, a garbage collection, an atexit hook after an exception or a backward, no peer wait
-in ``destroy_model_parallel()`` the base's teardown does not make, nothing kept after an abort
-but the current step's buffer, no device barrier timed out, and no figure worse than the base's
-(golden values, ``golden_values/fault_matrix_base.json``, recorded from a real run on the base
-with the command it names). The default suite runs a case per scenario and backend; the whole
-product (both variants of c and g, the base run live beside the tree) is ``slow``. Then the
-stand-ins the matrix relies on, each kept honest by a test: the collective log's contexts,
-DeepEP's and DeepEP v2's destructors entering their device barrier as the real ones do, the
-barrier's rendezvous surviving the process group, and its timeout.
+Each case is one cell of :mod:`moe_release.runtime.megatron.fault_scenarios` on the patched tree:
+two rank processes that exit through the interpreter, every collective logged with its context
+(:mod:`moe_release.runtime.measure.faults`). The pass rule (``fault_scenarios.violations``): within
+the scenario's bound, exits within theirs, device bytes flat from cycle 1 to 5, no collective from a
+finalizer, a garbage collection, an atexit hook after an exception or a backward, no peer wait in
+``destroy_model_parallel()`` the base's teardown does not make, nothing kept after an abort but the
+current step's buffer, no device barrier timed out, and no figure worse than the base's (golden
+values, ``golden_values/fault_matrix_base.json``, recorded from a real run on the base with the
+command it names). The default suite runs a case per scenario and backend; the whole product (both
+variants of c and g, the base run live beside the tree) is ``slow``. Then the stand-ins the matrix
+relies on, each kept honest by a test: the collective log's contexts, DeepEP's and DeepEP v2's
+destructors entering their device barrier as the real ones do, the barrier's rendezvous surviving
+the process group, and its timeout.
 """
 
 import json
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from cpu_runtime import fault_scenarios as fs
-from patchtool import backends
+from moe_release import backends
+from moe_release.runtime.megatron import fault_scenarios as fs
 
 THIS = "tests.unit_tests.transformer.moe.test_comm_buffer_faults"
 GOLDEN = Path(__file__).with_name("golden_values") / "fault_matrix_base.json"
@@ -99,7 +99,7 @@ def test_fault_cell_against_the_base_run_live(patched_tree, base_tree, scenario,
 
 
 def _entries(op: str):
-    from cpu_runtime import faults
+    from moe_release.runtime.measure import faults
 
     return [e for e in faults.ENTRIES if e["op"] == op]
 
@@ -115,10 +115,10 @@ def rank_device_barriers():
 
     import torch.distributed as dist
 
-    from cpu_runtime import cpu_memory
-    from cpu_runtime import deep_ep_emulation as emu
-    from cpu_runtime import deepep_v2_emulation as v2
-    from cpu_runtime import hybridep_emulation as hep
+    from moe_release.runtime.kernels import deep_ep_module as emu
+    from moe_release.runtime.kernels import deepep_v2_emulation as v2
+    from moe_release.runtime.kernels import hybridep_emulation as hep
+    from moe_release.runtime.measure import cpu_memory
 
     cpu_memory.install()
     out = {}
@@ -179,7 +179,7 @@ def test_destructors_enter_the_device_barrier_as_deep_ep_does(dist_job, patched_
 CONTEXT_SCRIPT = """
 import atexit, gc, sys
 import torch
-from cpu_runtime import faults
+from moe_release.runtime.measure import faults
 faults.install()
 
 class Holder:
@@ -213,8 +213,8 @@ def test_the_collective_log_names_each_context(how):
     """The contexts a collective entry carries: none in plain code, ``finalizer`` in a
     ``__del__``, ``gc`` in a collection, ``autograd`` in a backward, ``atexit`` in a hook
     registered after the tagging, with the exception still pending after an uncaught one."""
-    scripts = str(Path(fs.__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONPATH=scripts, OMP_NUM_THREADS="1")
+    tools = str(Path(fs.__file__).resolve().parents[3])
+    env = dict(os.environ, PYTHONPATH=tools, OMP_NUM_THREADS="1")
     done = subprocess.run(
         [sys.executable, "-c", CONTEXT_SCRIPT, how],
         env=env,

@@ -12,7 +12,7 @@ group, so two models on different EP groups each run on their own.
 
 Ranks run megatron-core's real MoELayer / fused_a2a code on CPU gloo ranks with the deep_ep
 emulation, whose buffers allocate their documented sizes through the counted CPU allocator
-(cpu_runtime.cpu_memory). Each test fails on the unpatched base.
+(moe_release.runtime.measure.cpu_memory). Each test fails on the unpatched base.
 """
 
 import gc
@@ -33,7 +33,7 @@ TOKENS = 12
 
 
 def _counter():
-    from cpu_runtime import cpu_memory
+    from moe_release.runtime.measure import cpu_memory
 
     cpu_memory.install()
     return cpu_memory
@@ -41,7 +41,7 @@ def _counter():
 
 def _layer_step(backend: str, ep: int, seed: int = 99):
     """A MoELayer (global-seeded weights: equal across EP sizes) forward and backward."""
-    from cpu_runtime import moe_harness
+    from moe_release.runtime.megatron import moe_harness
     from tests.unit_tests.transformer.moe import moe_cpu_harness as harness
 
     # DeepEP v2's combine needs a hidden size that is a multiple of 256, in bf16.
@@ -61,8 +61,8 @@ def _layer_step(backend: str, ep: int, seed: int = 99):
 
 def _buffer(backend: str):
     """The rank's one HybridEP, DeepEP or DeepEP v2 buffer (None if it holds none)."""
-    from cpu_runtime.compat import held_comm_buffers
     from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.cuda.compat import held_comm_buffers
 
     kind = {"hybridep": "HybridEPBuffer", "deepepv2": "ElasticBuffer"}.get(backend, "Buffer")
     held = [b for b in held_comm_buffers(fused_a2a) if type(b).__name__ == kind]
@@ -74,9 +74,9 @@ def rank_teardown(backend: str):
     """Rank side: after a step, destroy_model_parallel(); is the buffer gone, and what did the
     counted allocator get back? Then the collective release, which destroys what the teardown
     took out of use."""
-    from cpu_runtime.moe_harness import init_megatron
     from megatron.core import parallel_state
     from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.megatron.moe_harness import init_megatron
 
     mem = _counter()
     init_megatron(ep=dist.get_world_size())
@@ -115,9 +115,9 @@ def rank_reinit(first_ep: int, second_ep: int, restore: bool = False):
     EP=second_ep. With first_ep=0 only the second step runs (a fresh process). With
     ``restore``, the first buffer is assigned back to fused_a2a._hybrid_ep_buffer after the
     teardown, as a test fixture that saved it restores it."""
-    from cpu_runtime.moe_harness import init_megatron
     from megatron.core import parallel_state
     from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.megatron.moe_harness import init_megatron
 
     old_group = None
     if first_ep:
@@ -173,9 +173,9 @@ def test_hybridep_buffer_rebinds_after_reinitialization(
 
 def rank_growth(backend: str):
     """Rank side: the counted peak while the buffer is replaced by a larger one."""
-    from cpu_runtime.moe_harness import init_megatron
     from megatron.core import parallel_state
     from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.megatron.moe_harness import init_megatron
 
     mem = _counter()
     init_megatron(ep=dist.get_world_size())
@@ -189,7 +189,7 @@ def rank_growth(backend: str):
         fused_a2a.init_hybrid_ep_buffer(group, size, TOKENS, 2, **defaults)
         return fused_a2a.get_hybrid_ep_buffer(group)
 
-    from cpu_runtime import deep_ep_emulation as emu
+    from moe_release.runtime.kernels import deep_ep_module as emu
 
     old = make(32).nbytes
     gc.collect()
@@ -218,8 +218,8 @@ def test_growth_never_holds_two_buffers(dist_job, patched_tree, backend):
 def rank_offload(backend: str, release: bool):
     """Rank side: step, SGD update, (release twice), step; the second step's results. With
     ``release`` the buffers are also released twice before the first dispatch."""
-    from cpu_runtime.moe_harness import init_megatron
     from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.megatron.moe_harness import init_megatron
 
     mem = _counter()
     init_megatron(ep=dist.get_world_size())
@@ -282,7 +282,7 @@ def _layer_on_group(config, ep_group):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
-    from cpu_runtime.moe_harness import on_device
+    from moe_release.runtime.megatron.moe_harness import on_device
 
     pgc = copy.copy(get_default_pg_collection())
     pgc.ep = pgc.tp_ep = ep_group
@@ -297,10 +297,10 @@ def rank_two_groups():
     [0,2],[1,3]. Sequential: A forward+backward, then B (the buffers reset in between, so even
     a single-buffer tree binds each layer's to its group). Interleaved: A forward, B forward,
     A backward, B backward. Returns both runs' outputs and gradients and the buffers held."""
-    from cpu_runtime.compat import held_comm_buffers
-    from cpu_runtime.moe_harness import init_megatron, moe_config
     from megatron.core import parallel_state
     from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.cuda.compat import held_comm_buffers
+    from moe_release.runtime.megatron.moe_harness import init_megatron, moe_config
     from tests.unit_tests.transformer.moe import moe_cpu_harness as harness
 
     init_megatron(ep=2)
@@ -364,8 +364,8 @@ def rank_capture_guard(backend: str):
     """Rank side: a step, then a forward whose dispatch runs while a (stand-in) capture is on.
     reset_fused_a2a_buffers() must refuse and keep the buffer; with graphs_released=True it
     frees it."""
-    from cpu_runtime.moe_harness import init_megatron
     from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.megatron.moe_harness import init_megatron
     from tests.unit_tests.transformer.moe import moe_cpu_harness as harness
 
     mem = _counter()
@@ -407,8 +407,8 @@ def rank_release_waits_for_peers(backend: str, delay: float):
     when each rank entered and left it (wall clock, one host)."""
     import time
 
-    from cpu_runtime.moe_harness import init_megatron
     from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.megatron.moe_harness import init_megatron
 
     init_megatron(ep=dist.get_world_size())
     _layer_step(backend, dist.get_world_size())
@@ -452,10 +452,10 @@ def rank_teardown_with_a_stuck_peer(backend: str):
     teardown. How long does rank 0's destroy_model_parallel() take, and what does it leave?"""
     import time
 
-    from cpu_runtime.compat import held_comm_buffers
-    from cpu_runtime.moe_harness import init_megatron
     from megatron.core import parallel_state
     from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.cuda.compat import held_comm_buffers
+    from moe_release.runtime.megatron.moe_harness import init_megatron
 
     init_megatron(ep=2)
     _layer_step(backend, 2)
@@ -496,11 +496,11 @@ def rank_restart_after_abort(backend: str, rounds: int):
     teardown's seconds after each round."""
     import time
 
-    from cpu_runtime import deepep_emulation, hybridep_emulation
-    from cpu_runtime.compat import held_comm_buffers
-    from cpu_runtime.moe_harness import init_megatron
     from megatron.core import parallel_state
     from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.cuda.compat import held_comm_buffers
+    from moe_release.runtime.kernels import deepep_emulation, hybridep_emulation
+    from moe_release.runtime.megatron.moe_harness import init_megatron
 
     mem = _counter()
     kinds = {"hybridep": hybridep_emulation.HybridEPBuffer, "deepep": deepep_emulation.Buffer}
@@ -568,9 +568,9 @@ def rank_release_holding_different_buffers():
     sets). Both ranks release collectively."""
     import time
 
-    from cpu_runtime.compat import held_comm_buffers
-    from cpu_runtime.moe_harness import init_megatron
     from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.cuda.compat import held_comm_buffers
+    from moe_release.runtime.megatron.moe_harness import init_megatron
 
     init_megatron(ep=2)
     group = dist.new_group([0, 1])
@@ -605,10 +605,10 @@ def rank_collective_release_after_abort(backend: str):
     """Rank side: after a step the groups megatron created are destroyed (an abort), then the
     teardown; the job's world still holds every peer, so the collective release over it frees
     what the teardown took out of use."""
-    from cpu_runtime.compat import held_comm_buffers
-    from cpu_runtime.moe_harness import init_megatron
     from megatron.core import parallel_state
     from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.cuda.compat import held_comm_buffers
+    from moe_release.runtime.megatron.moe_harness import init_megatron
 
     mem = _counter()
     init_megatron(ep=2)
@@ -651,9 +651,9 @@ def rank_deep_ep_explicit_destroy():
     its bytes anyway (Buffer.destroy()), and the buffer refuses any later use. Then the
     emulation's own contract: destroy() needs the flag, and a flagged buffer dropped without
     destroy() stays allocated, as deep_ep leaks it."""
-    from cpu_runtime import deep_ep_emulation as emu
-    from cpu_runtime.moe_harness import init_megatron
     from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.kernels import deep_ep_module as emu
+    from moe_release.runtime.megatron.moe_harness import init_megatron
 
     mem = _counter()
     init_megatron(ep=dist.get_world_size())
@@ -718,9 +718,9 @@ def failing_rank_exit_job(peer_free: str) -> None:
     import sys
     import time
 
-    from cpu_runtime import placement
-    from cpu_runtime.compat import install_kernel_emulations
-    from cpu_runtime.moe_harness import build_moe_layer, init_megatron, moe_config
+    from moe_release.runtime.cuda import placement
+    from moe_release.runtime.kernels.install import install_kernel_emulations
+    from moe_release.runtime.megatron.moe_harness import build_moe_layer, init_megatron, moe_config
 
     install_kernel_emulations(os.environ["MOE_RELEASE_TREE"], False)
     placement.install()
@@ -753,7 +753,7 @@ def test_a_rank_exiting_after_a_caught_exception_waits_on_no_peer(patched_tree, 
     import sys
     import time
 
-    from cpu_runtime.launcher import free_port, rank_env
+    from moe_release.runtime.ranks.launcher import free_port, rank_env
 
     port = free_port()
     peer_free = tmp_path / "peer-free"
@@ -791,8 +791,8 @@ def rank_teardown_without_fused_a2a():
     and what does it log?"""
     import sys
 
-    from cpu_runtime.moe_harness import init_megatron
     from megatron.core import parallel_state
+    from moe_release.runtime.megatron.moe_harness import init_megatron
 
     init_megatron(ep=dist.get_world_size())
     warnings = _Warnings()

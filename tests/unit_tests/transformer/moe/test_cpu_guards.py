@@ -8,7 +8,7 @@ pristine base, where it must fail: Triton absent at import (on a base that lacks
 leaves ``te_general_gemm`` undefined (0.16). Where the base has neither spot (0.17, whose
 series carries no such patch), both trees must import the schedules and the MoE layer without
 Triton. The CUDA-only allocations of the dispatcher path are not the patch's: under the CPU
-runtime they are the emulated GPU's (cpu_runtime.placement).
+runtime they are the emulated GPU's (moe_release.runtime.cuda.placement).
 """
 
 import os
@@ -18,7 +18,7 @@ import textwrap
 
 import pytest
 
-from cpu_runtime.launcher import REPO_ROOT, SCRIPTS, free_port
+from moe_release.runtime.ranks.launcher import REPO_ROOT, TOOLS, free_port
 
 pytestmark = pytest.mark.backport  # release tests: run against every pinned base
 
@@ -85,8 +85,8 @@ def _applicable_checks() -> list:
 
 PRELUDE = """
 import os, sys
-sys.path[:0] = [{tree!r}, {scripts!r}]
-from cpu_runtime.compat import load_deep_ep_emulation
+sys.path[:0] = [{tree!r}, {tools!r}]
+from moe_release.runtime.kernels.install import load_deep_ep_emulation
 load_deep_ep_emulation().install()
 import torch.distributed as dist
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
@@ -97,9 +97,7 @@ def _run_all(tree: str) -> dict:
     procs = {}
     for name in _applicable_checks():
         body = CHECKS[name]
-        code = PRELUDE.format(tree=tree, scripts=str(SCRIPTS), port=free_port()) + textwrap.dedent(
-            body
-        )
+        code = PRELUDE.format(tree=tree, tools=str(TOOLS), port=free_port()) + textwrap.dedent(body)
         env = {"PATH": "/usr/bin:/bin", "NO_VCS_VERSION": "1", "OMP_NUM_THREADS": "1",
                "CUDA_VISIBLE_DEVICES": "", "TORCHDYNAMO_DISABLE": "1"}  # fmt: skip
         procs[name] = subprocess.Popen(

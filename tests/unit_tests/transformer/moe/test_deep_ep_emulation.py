@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from cpu_runtime.compat import EMULATION_MODULE, load_deep_ep_emulation
+from moe_release.runtime.kernels.install import EMULATION_MODULE, load_deep_ep_emulation
 
 JOB = "tests.unit_tests.transformer.moe.cpu_jobs:emulation_and_layer_job"
 BREAK_JOB = "tests.unit_tests.transformer.moe.cpu_jobs:breakage_job"
@@ -44,7 +44,7 @@ def test_kernels_match_reference(dist_job, patched_tree, world):
 )
 def test_checks_catch_a_broken_emulation(dist_job, patched_tree, how):
     """Each deliberate breakage makes some kernel or layer check fail (or a rank raise)."""
-    from cpu_runtime.launcher import DistributedTestError
+    from moe_release.runtime.ranks.launcher import DistributedTestError
 
     try:
         results = dist_job(BREAK_JOB, 2, patched_tree, how=how)
@@ -149,7 +149,7 @@ def _buffer_table(module) -> list:
 def test_buffer_tables_list_every_term():
     """Each emulation allocates exactly its docstring's buffer table, row for row (name and
     cited source): the table a reader checks against deep_ep is the code that runs."""
-    from cpu_runtime import deepep_emulation, hybridep_emulation
+    from moe_release.runtime.kernels import deepep_emulation, hybridep_emulation
 
     terms = hybridep_emulation.hybrid_ep_buffer_terms(512, 256, 4, 2, local_rank=0)
     assert [(t.name, t.source) for t in terms] == _buffer_table(hybridep_emulation)

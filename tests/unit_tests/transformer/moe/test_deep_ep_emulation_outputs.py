@@ -2,15 +2,15 @@
 
 """Every deep_ep kernel output the emulation returns, as the real kernels return it.
 
-The tables of :mod:`cpu_runtime.hybridep_emulation`'s and :mod:`cpu_runtime.deepep_emulation`'s
-docstrings (output | mode | device | dtype | shape | source at DeepEP 94a9f8f, and the host
-syncs each call makes) are parsed here, and each
-row becomes one test: one job on two gloo ranks under the CPU runtime's placement rules runs
-every call in every mode megatron-core uses (HybridEP blocking, non-blocking with a budget,
-drop-and-pad's capacity budget, each also with ``fuse_permute_dispatch``; the handle replay;
-combine with and without probs; DeepEP's layout, dispatch, cached dispatch and combine with and
-without event overlap) and describes each output (placement, dtype, shape, or its Python type);
-the test compares that with the row on every rank and every run the row's mode covers.
+The tables of :mod:`moe_release.runtime.kernels.hybridep_emulation`'s and
+:mod:`moe_release.runtime.kernels.deepep_emulation`'s docstrings (output | mode | device | dtype |
+shape | source at DeepEP 94a9f8f, and the host syncs each call makes) are parsed here, and each row
+becomes one test: one job on two gloo ranks under the CPU runtime's placement rules runs every call
+in every mode megatron-core uses (HybridEP blocking, non-blocking with a budget, drop-and-pad's
+capacity budget, each also with ``fuse_permute_dispatch``; the handle replay; combine with and
+without probs; DeepEP's layout, dispatch, cached dispatch and combine with and without event
+overlap) and describes each output (placement, dtype, shape, or its Python type); the test compares
+that with the row on every rank and every run the row's mode covers.
 """
 
 import re
@@ -18,8 +18,8 @@ from typing import Dict, List
 
 import pytest
 
-from cpu_runtime import deepep_emulation, hybridep_emulation
-from cpu_runtime.compat import load_deep_ep_emulation
+from moe_release.runtime.kernels import deepep_emulation, hybridep_emulation
+from moe_release.runtime.kernels.install import load_deep_ep_emulation
 
 EMU = load_deep_ep_emulation()
 FAMILIES = (hybridep_emulation, deepep_emulation)
@@ -107,7 +107,7 @@ def _row_id(row: Dict[str, str]) -> str:
 def _describe(value, emu) -> Dict[str, object]:
     import torch
 
-    from cpu_runtime import placement
+    from moe_release.runtime.cuda import placement
 
     if value is None:
         return {"type": "None"}
@@ -141,7 +141,7 @@ def rank_kernel_outputs() -> Dict[str, object]:
     import torch
     import torch.distributed as dist
 
-    from cpu_runtime import placement
+    from moe_release.runtime.cuda import placement
 
     emu = load_deep_ep_emulation()
     rules = contextlib.nullcontext() if placement.active() else placement.rules()

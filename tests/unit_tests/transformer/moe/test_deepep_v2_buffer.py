@@ -27,7 +27,7 @@ pytestmark = pytest.mark.flex_backend("deepepv2")
 
 
 def _layer(ep: int):
-    from cpu_runtime import moe_harness
+    from moe_release.runtime.megatron import moe_harness
     from tests.unit_tests.transformer.moe import moe_cpu_harness as harness
 
     config = moe_harness.moe_config("deepepv2", ep, hidden=HIDDEN, dtype=torch.bfloat16)
@@ -39,7 +39,7 @@ def _layer(ep: int):
 
 def _live_v2_bytes() -> int:
     """Bytes the emulated DeepEP v2 buffers of this process still hold (window and host)."""
-    from cpu_runtime import deepep_v2_emulation as v2
+    from moe_release.runtime.kernels import deepep_v2_emulation as v2
 
     return sum(
         r.window.nbytes + r.host_workspace.nbytes for r in list(v2._RUNTIMES) if not r.destroyed
@@ -51,8 +51,8 @@ def rank_pending_backward():
     first forward's backward is pending), then both backwards; and the same layer with each
     backward right after its forward. Returns both runs' outputs and input gradients, and what
     the DeepEP v2 buffers hold at each point."""
-    from cpu_runtime.moe_harness import init_megatron
     from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.megatron.moe_harness import init_megatron
     from tests.unit_tests.transformer.moe import moe_cpu_harness as harness
 
     init_megatron(ep=dist.get_world_size())
@@ -124,10 +124,10 @@ def test_a_replaced_buffer_serves_its_pending_backward(dist_job, patched_tree):
 def rank_growth_without_pending():
     """Rank side: the buffer grows while nothing else references the old one: the old one is
     destroyed before its replacement is allocated (the counted peak is the new buffer)."""
-    from cpu_runtime import cpu_memory
-    from cpu_runtime.moe_harness import init_megatron
     from megatron.core import parallel_state
     from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.measure import cpu_memory
+    from moe_release.runtime.megatron.moe_harness import init_megatron
 
     cpu_memory.install()
     init_megatron(ep=dist.get_world_size())
@@ -164,7 +164,7 @@ def test_overlap_with_growing_microbatches(dist_job, patched_tree, base_tree, tr
     backward, so every growth replaces the buffer a pending backward holds: the step completes
     and is bitwise equal to the same step with the overlap off, on the series and the base."""
     path = patched_tree if tree == "patched" else base_tree
-    runner = "cpu_runtime.a2a_overlap:overlap_run"
+    runner = "moe_release.runtime.megatron.a2a_overlap:overlap_run"
     on = dist_job(runner, 2, path, cfg=dict(SMALL, layers=2, overlap=True))
     off = dist_job(runner, 2, path, cfg=dict(SMALL, layers=2, overlap=False))
     for rank, (a, b) in enumerate(zip(on, off)):
@@ -177,7 +177,7 @@ def test_overlap_with_growing_microbatches(dist_job, patched_tree, base_tree, tr
 def test_pipeline_warmup_with_growing_microbatches(dist_job, patched_tree, base_tree):
     """PP=2 x EP=2, 1F1B: the first stage runs the next microbatch's forward (larger: the buffer
     grows) before the previous one's backward. The step completes and is bitwise the base's."""
-    runner = "cpu_runtime.a2a_overlap:overlap_run"
+    runner = "moe_release.runtime.megatron.a2a_overlap:overlap_run"
     cfg = dict(SMALL, layers=2, overlap=False, pp=2,
                config_overrides=dict(variable_seq_lengths=True))  # fmt: skip
     patched = dist_job(runner, 4, patched_tree, cfg=cfg)
@@ -193,8 +193,8 @@ def rank_one_rank_raises_with_a_backward_pending():
     backward is pending), then rank 1 fails: its handler drops the graphs, and so the last
     references to the replaced buffer. Then both ranks meet in a barrier on the world. Did
     anything destroy (a collective) the replaced buffer on rank 1 alone?"""
-    from cpu_runtime.moe_harness import init_megatron
     from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.megatron.moe_harness import init_megatron
     from tests.unit_tests.transformer.moe import moe_cpu_harness as harness
 
     init_megatron(ep=dist.get_world_size())

@@ -2,12 +2,12 @@
 
 """The DeepEP v2 ``ElasticBuffer`` emulation against DeepEP's source at 018f21e.
 
-Every row of :mod:`cpu_runtime.deepep_v2_emulation`'s output tables is one test (a job on two
-gloo ranks under the placement rules runs each call in every mode megatron dev uses and
+Every row of :mod:`moe_release.runtime.kernels.deepep_v2_emulation`'s output tables is one test (a
+job on two gloo ranks under the placement rules runs each call in every mode megatron dev uses and
 describes each output); the semantics are checked against a reference written from DeepEP's
 documented contract (``refs.py``: rows by source rank then token, local top-k indices, the
-unweighted sum of a token's copies, weights back from each expert's owner); what the real
-buffer refuses is refused; the buffer's bytes are DeepEP's size formula worked by hand.
+unweighted sum of a token's copies, weights back from each expert's owner); what the real buffer
+refuses is refused; the buffer's bytes are DeepEP's size formula worked by hand.
 """
 
 import re
@@ -15,7 +15,7 @@ from typing import Dict, List
 
 import pytest
 
-from cpu_runtime import deepep_v2_emulation as V2
+from moe_release.runtime.kernels import deepep_v2_emulation as V2
 from tests.unit_tests.transformer.moe.test_deep_ep_emulation_outputs import _shape, parse_tables
 
 THIS = "tests.unit_tests.transformer.moe.test_deepep_v2_emulation"
@@ -39,7 +39,7 @@ def _row_id(row: Dict[str, str]) -> str:
 def _describe(value) -> Dict[str, object]:
     import torch
 
-    from cpu_runtime import placement
+    from moe_release.runtime.cuda import placement
 
     if value is None:
         return {"type": "None"}
@@ -90,7 +90,7 @@ def rank_kernel_outputs() -> Dict[str, object]:
 
     import torch.distributed as dist
 
-    from cpu_runtime import placement
+    from moe_release.runtime.cuda import placement
 
     rules = contextlib.nullcontext() if placement.active() else placement.rules()
     with rules:
@@ -224,7 +224,7 @@ def rank_refusals() -> Dict[str, object]:
     import torch
     import torch.distributed as dist
 
-    from cpu_runtime import cpu_memory
+    from moe_release.runtime.measure import cpu_memory
 
     cpu_memory.install()
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -282,7 +282,7 @@ def _lifetime(group, x, idx, n, hidden, k, kw) -> Dict[str, object]:
     import gc
     import io
 
-    from cpu_runtime import cpu_memory
+    from moe_release.runtime.measure import cpu_memory
 
     out: Dict[str, object] = {}
     gc.collect()

@@ -18,9 +18,9 @@ import weakref
 
 import pytest
 
-from cpu_runtime.launcher import DistributedTestError, run_distributed
-from cpu_runtime.placement import added_syncs
-from patchtool import backends
+from moe_release import backends
+from moe_release.runtime.cuda.placement import added_syncs
+from moe_release.runtime.ranks.launcher import DistributedTestError, run_distributed
 from tests.unit_tests.release_cases import backport
 
 PATCHED_TREE = os.environ.get("MOE_RELEASE_TREE")
@@ -110,7 +110,7 @@ HIDDEN = 16
 def _setup(ep, tp=1):
     import torch
 
-    from cpu_runtime.moe_harness import init_megatron
+    from moe_release.runtime.megatron.moe_harness import init_megatron
 
     init_megatron(ep=ep, tp=tp, seed=1234)
     torch.manual_seed(1234)
@@ -142,7 +142,7 @@ def _build_layers(dispatcher, backend, ep, num_layers=NUM_LAYERS, recompute="non
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from cpu_runtime import moe_harness
+    from moe_release.runtime.megatron import moe_harness
 
     kwargs = dict(
         num_layers=num_layers,
@@ -384,7 +384,7 @@ def rank_train(
     runners = layers
     if compile_:
         runners = [torch.compile(layer, backend="aot_eager") for layer in layers]
-    from cpu_runtime import placement
+    from moe_release.runtime.cuda import placement
 
     tracker = _Tracker(layers)
     # What the probe attributes to each dispatcher before any forward (the over-budget flag,
@@ -396,7 +396,8 @@ def rank_train(
         _seed_host_routing_map(layers)
     result = {}
     for step in range(steps):
-        # The host syncs of the last (warm) step, forward and backward (cpu_runtime.placement).
+        # The host syncs of the last (warm) step, forward and backward
+        # (moe_release.runtime.cuda.placement).
         placement.SYNCS.clear()
         for layer in layers:
             layer.zero_grad(set_to_none=True)
@@ -446,7 +447,7 @@ def _seed_host_routing_map(layers):
 def rank_train_modes(dispatcher, backend, ep, recomputes, tp=1, variant=None):
     """rank_train for each recompute mode in turn, in one process (spawning ranks and
     importing megatron cost more than the runs themselves)."""
-    from cpu_runtime.compat import teardown_megatron_state
+    from moe_release.runtime.cuda.compat import teardown_megatron_state
 
     out = {}
     for recompute in recomputes:
@@ -561,7 +562,7 @@ def rank_static_budget(ep, tokens=8):
     from megatron.core.transformer.moe.moe_layer import get_default_pg_collection
     from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
 
-    from cpu_runtime import moe_harness
+    from moe_release.runtime.megatron import moe_harness
 
     _setup(ep)
     config = moe_harness.moe_config(

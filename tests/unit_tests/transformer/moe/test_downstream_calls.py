@@ -44,8 +44,13 @@ GLOBALS = {
 
 
 def _setup(backend: str):
-    from cpu_runtime.moe_harness import build_moe_layer, init_megatron, model_kwargs, moe_config
     from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.megatron.moe_harness import (
+        build_moe_layer,
+        init_megatron,
+        model_kwargs,
+        moe_config,
+    )
 
     init_megatron(ep=dist.get_world_size())
     kwargs = dict(dict(hidden=HIDDEN), **model_kwargs(backend))  # DeepEP v2: bf16, hidden 256
@@ -251,7 +256,7 @@ def _art_dispatcher_cache_release(dispatcher) -> None:
 
 def rank_art_release_on_top(dispatcher: str, art: bool, recompute: bool):
     """Two training steps of one MoELayer (EP=2), with or without ART's own release on top."""
-    from cpu_runtime.moe_harness import build_moe_layer, init_megatron, moe_config
+    from moe_release.runtime.megatron.moe_harness import build_moe_layer, init_megatron, moe_config
 
     init_megatron(ep=dist.get_world_size())
     extra = {} if dispatcher == "flex" else {"moe_token_dispatcher_type": dispatcher}

@@ -4,8 +4,8 @@
 
 The golden file was recorded by the command stored in it (``_command``), from a real run of
 ``scripts/memory_report.py``; this test reruns the same configuration and compares within the
-tolerances stated in ``report.cli.GOLDEN_RTOL``. Within one run, base and patched must agree
-bitwise on losses, gradient norms, gradients and updated parameters.
+tolerances stated in ``moe_release.report.golden.GOLDEN_RTOL``. Within one run, base and
+patched must agree bitwise on losses, gradient norms, gradients and updated parameters.
 """
 
 import json
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from report import cli
+from moe_release.report import cli
+from moe_release.report import golden as golden_mod
 
 GOLDEN = Path(__file__).parent / "golden_values" / "memory_report_ep2.json"
 
@@ -21,7 +22,7 @@ GOLDEN = Path(__file__).parent / "golden_values" / "memory_report_ep2.json"
 @pytest.fixture(scope="module")
 def report(base_tree, patched_tree):
     """Measured base and patched runs of the golden configuration."""
-    from cpu_runtime import cpu_memory
+    from moe_release.runtime.measure import cpu_memory
 
     cpu_memory.build()
     cfg = dict(cli.GOLDEN_CONFIG)
@@ -45,7 +46,7 @@ def test_base_and_patched_are_bitwise_equal(report):
 def test_run_matches_golden_values(report):
     golden = json.loads(GOLDEN.read_text())
     actual = cli.golden_values(report, golden["_command"])
-    assert cli.compare_golden(golden, actual) == []
+    assert golden_mod.compare_golden(golden, actual) == []
 
 
 # What a rank holds between calls moves by a few routing-sized host bytes from run to run (rank
@@ -67,6 +68,6 @@ def test_missing_release_fails_the_golden_comparison(report):
     reported as the patched ones) must fail the golden comparison."""
     golden = json.loads(GOLDEN.read_text())
     regressed = dict(report, patched=report["base"])
-    problems = cli.compare_golden(golden, cli.golden_values(regressed, golden["_command"]))
+    problems = golden_mod.compare_golden(golden, cli.golden_values(regressed, golden["_command"]))
     assert any("expected exactly 0" in p for p in problems), problems
     assert any("mem held between calls bytes (patched" in p for p in problems), problems

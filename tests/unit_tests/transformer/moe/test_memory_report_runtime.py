@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from cpu_runtime.launcher import REPO_ROOT, rank_env, run_distributed
-from report import cli, worker
-from report.runtime import ReportError, Runtime
+from moe_release.report import cli, config, render, stats, worker
+from moe_release.report.runtime import ReportError, Runtime
+from moe_release.runtime.ranks.launcher import REPO_ROOT, rank_env, run_distributed
 
 
 @pytest.mark.parametrize(
@@ -104,7 +104,7 @@ def test_dispatcher_refusals_write_nothing(tmp_path, capsys, monkeypatch, args, 
 )
 def test_dispatcher_choice_reaches_the_config(cfg, overrides, label):
     assert worker._dispatcher_overrides(cfg) == overrides
-    assert cli.dispatcher_label(cfg) == label
+    assert config.dispatcher_label(cfg) == label
 
 
 def test_cuda_trace_points_follow_allocated_bytes():
@@ -126,7 +126,7 @@ def test_cuda_trace_points_follow_allocated_bytes():
 
 def test_downsample_keeps_each_buckets_maximum():
     pts = [(i * 1_000_000, b) for i, b in enumerate([1, 5, 2, 2, 9, 3, 4])]
-    from cpu_runtime.cpu_memory import downsample
+    from moe_release.runtime.measure.cpu_memory import downsample
 
     tl = downsample(pts, t0=0, points=3)
     assert tl == {"t_ms": [0.0, 2.0, 4.0, 6.0], "bytes": [5, 2, 9, 4]}
@@ -234,11 +234,11 @@ def test_device_check_runs_the_report_end_to_end(tmp_path, base_tree, patched_tr
 def test_bootstrap_interval_brackets_the_ratio_and_is_reproducible():
     base = [1.0, 1.1, 0.9, 1.05, 0.95, 1.0, 1.02, 0.98]
     patched = [x * 1.5 for x in base]
-    lo, hi = cli.bootstrap_ratio_ci(base, patched)
+    lo, hi = stats.bootstrap_ratio_ci(base, patched)
     assert lo <= 1.5 <= hi and hi - lo < 0.5
-    assert cli.bootstrap_ratio_ci(base, patched) == (lo, hi)
+    assert stats.bootstrap_ratio_ci(base, patched) == (lo, hi)
     # Identical samples: the interval is centred on 1.
-    lo, hi = cli.bootstrap_ratio_ci(base, list(base))
+    lo, hi = stats.bootstrap_ratio_ci(base, list(base))
     assert lo < 1.0 < hi
 
 
@@ -296,9 +296,9 @@ def test_timing_runs_each_tree_with_the_rules_on_and_off(monkeypatch):
         calls.append((tree, placement))
         return [_fake_rank(tree, placement, rank, cfg["steps"]) for rank in range(2)]
 
-    monkeypatch.setattr(cli, "run", fake_run)
-    monkeypatch.setattr(cli, "log", lambda msg: None)
-    t = cli.timing("base", "patched", dict(cli.QUICK), rounds=2)
+    monkeypatch.setattr(stats, "run", fake_run)
+    monkeypatch.setattr(stats, "log", lambda msg: None)
+    t = stats.timing("base", "patched", dict(cli.QUICK), rounds=2)
     on = [("base", True), ("patched", True), ("base", False), ("patched", False)]
     assert calls == on + on[::-1]
     off, book = t["rules_off"], t["bookkeeping"]
@@ -307,8 +307,9 @@ def test_timing_runs_each_tree_with_the_rules_on_and_off(monkeypatch):
         assert t[key] is not None and off[key] is not None
         assert book[key] == t[key] - off[key] and book[key] > 0
     assert t["rules_off_losses_equal"]
-    assert len(t["samples"]["base"]) == len(off["samples"]["patched"]) == 2 * (cli.TIMING_STEPS - 1)
-    text = "\n".join(cli.timing_lines(t))
+    samples = 2 * (config.TIMING_STEPS - 1)
+    assert len(t["samples"]["base"]) == len(off["samples"]["patched"]) == samples
+    text = "\n".join(render.timing_lines(t))
     for row in ("  placement rules on", "  placement rules off", "  rules off: the release itself"):
         assert row in text
     assert text.count("  the rules' bookkeeping (on - off)") == 2
@@ -316,7 +317,7 @@ def test_timing_runs_each_tree_with_the_rules_on_and_off(monkeypatch):
     assert "values with the placement rules off equal those with them on" in text
     # The targets judge the release's own figures: those with the rules off.
     report = {"base": [], "patched": [], "timing": t}
-    targets = cli.targets(report)
+    targets = render.targets(report)
     assert targets["step time ratio patched/base (placement rules off)"].startswith(
         f"{off['ratio']:.3f}"
     )
@@ -331,14 +332,15 @@ def test_timing_on_a_gpu_has_no_rules_to_take_out(monkeypatch):
         calls.append((tree, placement))
         return [_fake_rank(tree, placement, rank, cfg["steps"]) for rank in range(2)]
 
-    monkeypatch.setattr(cli, "run", fake_run)
-    monkeypatch.setattr(cli, "log", lambda msg: None)
-    t = cli.timing("base", "patched", dict(cli.QUICK), 1, Runtime("cuda", "emulation", "gloo"))
+    monkeypatch.setattr(stats, "run", fake_run)
+    monkeypatch.setattr(stats, "log", lambda msg: None)
+    t = stats.timing("base", "patched", dict(cli.QUICK), 1, Runtime("cuda", "emulation", "gloo"))
     assert calls == [("base", None), ("patched", None)]
     assert "rules_off" not in t and "bookkeeping" not in t
-    text = "\n".join(cli.timing_lines(t))
+    text = "\n".join(render.timing_lines(t))
     assert "placement rules" not in text and "inside the release calls (patched)" in text
-    assert "step time ratio patched/base" in cli.targets({"base": [], "patched": [], "timing": t})
+    targets = render.targets({"base": [], "patched": [], "timing": t})
+    assert "step time ratio patched/base" in targets
 
 
 @pytest.mark.slow
@@ -346,7 +348,7 @@ def test_timing_rows_come_from_runs_with_the_rules_on_and_off(base_tree, patched
     """A real (tiny) timing round: both settings measured the release calls, the bookkeeping
     rows are on - off, and the rules change no value."""
     cfg = dict(cli.QUICK, layers=1, tokens=256)
-    t = cli.timing(base_tree, patched_tree, cfg, rounds=1)
+    t = stats.timing(base_tree, patched_tree, cfg, rounds=1)
     off = t["rules_off"]
     assert t["release_seconds_median"] > 0 and off["release_seconds_median"] > 0
     assert t["bookkeeping"]["release_seconds_median"] == (
@@ -354,7 +356,7 @@ def test_timing_rows_come_from_runs_with_the_rules_on_and_off(base_tree, patched
     )
     assert t["bookkeeping"]["ratio"] == t["ratio"] - off["ratio"]
     assert t["rules_off_losses_equal"]
-    text = "\n".join(cli.timing_lines(t))
+    text = "\n".join(render.timing_lines(t))
     assert "  rules off: the release itself" in text and "bookkeeping (on - off)" in text
 
 
@@ -372,7 +374,7 @@ def test_step_profile_names_the_calls_the_patched_tree_adds():
     """Calls are matched by file and function name (a moved function adds nothing), the time
     inside a function counts each call once even when a same-named method calls it, and the
     patched tree's own code is entered where the base's code calls it."""
-    from report import step_profile
+    from moe_release.report import step_profile
 
     shared = {
         "megatron/m.py:10(forward)": (4, 0.010, 0.050, {}),

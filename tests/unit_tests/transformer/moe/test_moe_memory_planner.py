@@ -9,10 +9,10 @@
   hand from their sources (``DEEP_EP_V2_COMMIT``, ``NCCL_EP_COMMIT``) and equal to the CPU
   runtime's separately written emulations.
 * HybridEP's and DeepEP's buffers against the CPU emulations' own, separately written reading
-  of deep_ep's source (``cpu_runtime.hybridep_emulation``, ``cpu_runtime.deepep_emulation``),
-  term by term through the lines each cites; a deliberately wrong planner term is caught and
-  named; a real megatron-core HybridEP dispatch + combine on CPU gloo ranks allocates the
-  per-call prediction.
+  of deep_ep's source (``moe_release.runtime.kernels.hybridep_emulation``,
+  ``moe_release.runtime.kernels.deepep_emulation``), term by term through the lines each cites; a
+  deliberately wrong planner term is caught and named; a real megatron-core HybridEP dispatch +
+  combine on CPU gloo ranks allocates the per-call prediction.
 * The retained state: predicted per dispatcher and recompute mode, against the retained-state
   probe on the unpatched base over a sweep of layers, tokens, hidden, experts and top-k (the
   routing's outcome, the rows each layer's experts received, is measured; every byte is
@@ -36,14 +36,12 @@ import sys
 import pytest
 import torch
 
-from cpu_runtime.launcher import REPO_ROOT
+from moe_release.plan import cli, compare, inputs
+from moe_release.plan.pricing import load_planner
+from moe_release.runtime.ranks.launcher import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "scripts" / "moe_memory_plan.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import moe_memory_plan  # noqa: E402
-from memory_plan import cli, compare, inputs  # noqa: E402
-
-planner = moe_memory_plan.load_planner()
+planner = load_planner()
 MiB = 1024 * 1024
 
 
@@ -249,8 +247,8 @@ def test_planner_and_emulations_size_the_new_backends_alike(
     """The planner's DeepEP v2 and NCCL EP terms and the CPU runtime's emulations were each
     written from the kernels' source, separately: they agree (each emulation's sizes are also
     worked by hand in test_deepep_v2_emulation and test_te_ep_emulation)."""
-    from cpu_runtime import deepep_v2_emulation as v2
-    from cpu_runtime import te_ep_emulation as te
+    from moe_release.runtime.kernels import deepep_v2_emulation as v2
+    from moe_release.runtime.kernels import te_ep_emulation as te
 
     data = v2.buffer_size_hint(ranks, tokens, hidden, topk)
     terms = _names(planner.deepep_v2_buffer_terms(ranks, tokens, hidden, topk))
@@ -298,8 +296,8 @@ def test_planner_and_emulation_size_hybridep_alike(rows, hidden, local, ranks, b
     """The planner's HybridEP buffer and the emulation's were each written from deep_ep's
     source, separately: term by term (matched through the lines they cite) they agree on
     every local rank, 0 included."""
-    from cpu_runtime import hybridep_emulation as hep
-    from report.buffer_section import compare_terms
+    from moe_release.report.buffer_section import compare_terms
+    from moe_release.runtime.kernels import hybridep_emulation as hep
 
     lay = planner.HybridEPLayout(
         hidden=hidden, local_experts=local, ranks_per_node=ranks, nodes=1, rows=rows,
@@ -319,8 +317,8 @@ def test_planner_and_emulation_size_deepep_alike(ranks, hidden_bytes, sms):
     combine configs' hints) from the emulation's own ``Config`` hints and constructor, against
     the planner's terms: the same, term by term, for every group size deep_ep has a config
     for."""
-    from cpu_runtime import deepep_emulation as dep
-    from report.buffer_section import compare_terms
+    from moe_release.report.buffer_section import compare_terms
+    from moe_release.runtime.kernels import deepep_emulation as dep
 
     dep.Buffer.set_num_sms(sms)
     try:
@@ -354,8 +352,8 @@ def test_a_wrong_hybridep_planner_term_is_caught(monkeypatch, name, delta, named
     """A planner whose HybridEP term is one byte off, or which drops a term, fails the check
     the report prints (``hybridep_accounting_lines`` on a run's recorded buffer terms), in a
     line naming the term; the right planner passes it."""
-    from cpu_runtime import hybridep_emulation as hep
-    from report import buffer_section
+    from moe_release.report import buffer_section
+    from moe_release.runtime.kernels import hybridep_emulation as hep
 
     cfg = {"hidden": 64, "experts": 8, "topk": 2, "tokens": 512, "backend": "hybridep"}
     terms = hep.hybrid_ep_buffer_terms(512, 64, 4, 2, local_rank=1)
@@ -377,8 +375,8 @@ def test_the_hybridep_term_check_prices_the_rank_it_reads(rank):
     """Each rank's block of the report checks that rank's buffer: local rank 0's HybridEP buffer
     holds 3 x 8 B of flags its peer maps, and the planner priced for rank 0 has them (the check
     printed "buffer terms MISMATCH" on rank 0 when the planner priced every rank as a peer)."""
-    from cpu_runtime import hybridep_emulation as hep
-    from report import buffer_section
+    from moe_release.report import buffer_section
+    from moe_release.runtime.kernels import hybridep_emulation as hep
 
     cfg = {"hidden": 64, "experts": 8, "topk": 2, "tokens": 512, "backend": "hybridep"}
     terms = hep.hybrid_ep_buffer_terms(512, 64, 4, 2, local_rank=rank)
@@ -396,8 +394,8 @@ def test_report_checks_the_deepep_buffer_terms():
     """With ``--backend deepep`` the report's buffer rows are DeepEP's: the planner's buffer
     for the report's fp32 model (hidden bytes H x 4, fused_a2a.get_hidden_bytes) against the
     terms of the buffer megatron's get_buffer builds from the emulation's hints."""
-    from cpu_runtime import deepep_emulation as dep
-    from report import buffer_section
+    from moe_release.report import buffer_section
+    from moe_release.runtime.kernels import deepep_emulation as dep
 
     cfg = {"hidden": 64, "experts": 8, "topk": 2, "tokens": 512, "backend": "deepep"}
     configs = (dep.Buffer.get_dispatch_config(2), dep.Buffer.get_combine_config(2))
@@ -419,9 +417,9 @@ def test_a_wrong_deepep_planner_term_is_caught(monkeypatch, wrong):
     counters, fails the term check, naming the term; one that says the RDMA counter is freed
     fails the released-bytes check the colocated section prints (the bytes freed against the
     planner's); the right planner passes both."""
-    from cpu_runtime import deepep_emulation as dep
-    from report import colocated_section
-    from report.buffer_section import compare_terms
+    from moe_release.report import colocated_section
+    from moe_release.report.buffer_section import compare_terms
+    from moe_release.runtime.kernels import deepep_emulation as dep
 
     configs = (dep.Buffer.get_dispatch_config(2), dep.Buffer.get_combine_config(2))
     nvl = max(c.get_nvl_buffer_size_hint(4096, 2) for c in configs)
@@ -461,8 +459,8 @@ def test_emulation_allocates_its_terms_and_regrows(monkeypatch):
     """The CPU emulation's counted buffers are its own terms: HybridEP's for its rows, regrown
     (freed, then allocated) when a call needs more, equal to the planner's for local rank 0
     (the emulated buffer's rank); DeepEP's hints for the group."""
-    from cpu_runtime import deep_ep_emulation as emu
-    from report.buffer_section import compare_terms
+    from moe_release.report.buffer_section import compare_terms
+    from moe_release.runtime.kernels import deep_ep_module as emu
 
     buf = emu.HybridEPBuffer(None, 64, 100, 4)
     lay = planner.HybridEPLayout(hidden=64, local_experts=4, ranks_per_node=1, nodes=1, rows=512,
@@ -486,9 +484,9 @@ def rank_per_call(tokens: int, hidden: int):
     each rank) through megatron-core's fused_a2a and the emulation; what they allocated."""
     import torch.distributed as dist
 
-    from cpu_runtime.moe_harness import init_megatron
     from megatron.core import parallel_state
     from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.megatron.moe_harness import init_megatron
 
     world = dist.get_world_size()
     init_megatron(ep=world)
@@ -505,7 +503,7 @@ def rank_per_call(tokens: int, hidden: int):
         x, routing, probs, group, local, num_permuted_tokens=None, pad_multiple=None
     )
     combined = fused_a2a.hybrid_ep_combine(out, handle, None, None)
-    from cpu_runtime.compat import held_comm_buffers
+    from moe_release.runtime.cuda.compat import held_comm_buffers
 
     (buffer,) = held_comm_buffers(fused_a2a)
     return {
@@ -543,9 +541,9 @@ def rank_recompute_extent(tokens: list, hidden: int):
     recompute), taken inside megatron-core before it crops them to the rank's tokens."""
     import torch.distributed as dist
 
-    from cpu_runtime import moe_harness
-    from cpu_runtime.moe_harness import init_megatron
     from megatron.core.transformer.moe import token_dispatcher
+    from moe_release.runtime.megatron import moe_harness
+    from moe_release.runtime.megatron.moe_harness import init_megatron
 
     init_megatron(ep=dist.get_world_size())
     config = moe_harness.moe_config(

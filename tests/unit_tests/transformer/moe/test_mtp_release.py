@@ -8,14 +8,14 @@ AdamW) on both trees; the same figures come from
 
 import pytest
 
-from report import cli
+from moe_release.report import cli
 
 CFG = dict(cli.QUICK, steps=2, mtp_layers=1)
 
 
 @pytest.fixture(scope="module")
 def runs(base_tree, patched_tree):
-    from cpu_runtime import cpu_memory
+    from moe_release.runtime.measure import cpu_memory
 
     cpu_memory.build()
     return cli.measure(base_tree, patched_tree, dict(CFG))

@@ -3,16 +3,16 @@
 """NCCL EP's context and zero-copy buffers have the lifecycle of the other comm buffers.
 
 ``reset_fused_a2a_buffers()`` releases them (collective: the EP group joins the barrier, the
-zero-copy symmetric buffers go before the context is finalized) and the next dispatch
-bootstraps again, bitwise equal; ``destroy_model_parallel()`` frees them before the groups go,
-so a re-initialized model never finds the old group's symmetric buffers; a model on another EP
-group gets a clear error instead of dispatching over the bootstrapped group's communicator
-(TransformerEngine serves one EP group per process); a release refuses while a captured graph
-may replay. Megatron-core's real MoEFlexTokenDispatcher / MoELayer on CPU gloo ranks with the
-NCCL EP emulation (cpu_runtime.te_ep_emulation), whose bootstrap allocates NCCL EP's group
-memory and whose symmetric buffers are checked in zero-copy mode; where the tree has NCCL EP.
-Zero-copy needs TE's fused grouped MLP (the op fuser), so a stand-in expert sits between
-dispatch and combine there, with the fused MLP's buffer contract.
+zero-copy symmetric buffers go before the context is finalized) and the next dispatch bootstraps
+again, bitwise equal; ``destroy_model_parallel()`` frees them before the groups go, so a
+re-initialized model never finds the old group's symmetric buffers; a model on another EP group gets
+a clear error instead of dispatching over the bootstrapped group's communicator (TransformerEngine
+serves one EP group per process); a release refuses while a captured graph may replay.
+Megatron-core's real MoEFlexTokenDispatcher / MoELayer on CPU gloo ranks with the NCCL EP emulation
+(moe_release.runtime.kernels.te_ep_emulation), whose bootstrap allocates NCCL EP's group memory and
+whose symmetric buffers are checked in zero-copy mode; where the tree has NCCL EP. Zero-copy needs
+TE's fused grouped MLP (the op fuser), so a stand-in expert sits between dispatch and combine there,
+with the fused MLP's buffer contract.
 """
 
 import dataclasses
@@ -47,7 +47,7 @@ if _tree_has_zero_copy():
 
 
 def _counter():
-    from cpu_runtime import cpu_memory
+    from moe_release.runtime.measure import cpu_memory
 
     cpu_memory.install()
     return cpu_memory
@@ -56,7 +56,7 @@ def _counter():
 def _config(ep: int, zero_copy: bool):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from cpu_runtime.moe_harness import moe_config
+    from moe_release.runtime.megatron.moe_harness import moe_config
 
     extra = {}
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
@@ -147,7 +147,7 @@ def _held_bytes(zero_copy: bool) -> int:
     """What the release must free: NCCL EP's group memory and the zero-copy buffers."""
     from megatron.core.transformer.moe.token_dispatcher import _NCCLEPManager
 
-    from cpu_runtime import te_ep_emulation as te
+    from moe_release.runtime.kernels import te_ep_emulation as te
 
     backend = te.BACKEND
     sizes = te.context_bytes(dist.get_world_size(backend.group), backend.num_experts,
@@ -165,9 +165,9 @@ def rank_release_between_steps(zero_copy: bool):
     """Rank side: a step, the release, another step with the same inputs."""
     from megatron.core.transformer.moe.token_dispatcher import _NCCLEPManager
 
-    from cpu_runtime import te_ep_emulation as te
-    from cpu_runtime.moe_harness import init_megatron
     from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.kernels import te_ep_emulation as te
+    from moe_release.runtime.megatron.moe_harness import init_megatron
 
     mem = _counter()
     init_megatron(ep=dist.get_world_size())
@@ -210,9 +210,9 @@ def rank_reinitialize(zero_copy: bool):
     step of a new dispatcher on the new groups."""
     from megatron.core.transformer.moe.token_dispatcher import _NCCLEPManager
 
-    from cpu_runtime import te_ep_emulation as te
-    from cpu_runtime.moe_harness import init_megatron
     from megatron.core import parallel_state
+    from moe_release.runtime.kernels import te_ep_emulation as te
+    from moe_release.runtime.megatron.moe_harness import init_megatron
 
     mem = _counter()
     init_megatron(ep=dist.get_world_size())
@@ -257,8 +257,8 @@ def rank_two_groups():
     on [0,2],[1,3] (B). B runs first on its own group, then the release; then A, and B while
     A's context is live (a manager that bootstrapped before the release must check the group
     again); then the release and B alone once more."""
-    from cpu_runtime.moe_harness import init_megatron
     from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.megatron.moe_harness import init_megatron
 
     init_megatron(ep=2)
     rank = dist.get_rank()
@@ -300,7 +300,7 @@ def test_base_reroutes_a_second_ep_group_over_the_first(dist_job, base_tree):
 def rank_two_groups_base():
     """rank_two_groups on a tree without reset_fused_a2a_buffers: B alone is measured in a
     process where A never bootstrapped (the same seeds and groups)."""
-    from cpu_runtime.moe_harness import init_megatron
+    from moe_release.runtime.megatron.moe_harness import init_megatron
 
     init_megatron(ep=2)
     rank = dist.get_rank()
@@ -320,9 +320,9 @@ def rank_two_groups_base():
 def rank_capture_guard():
     """Rank side: a dispatch under a (stand-in) capture; the release refuses, then frees with
     graphs_released=True."""
-    from cpu_runtime import te_ep_emulation as te
-    from cpu_runtime.moe_harness import init_megatron
     from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.kernels import te_ep_emulation as te
+    from moe_release.runtime.megatron.moe_harness import init_megatron
     from tests.unit_tests.transformer.moe import moe_cpu_harness as harness
 
     init_megatron(ep=dist.get_world_size())
@@ -351,10 +351,10 @@ def test_release_refuses_while_a_captured_graph_may_replay(dist_job, patched_tre
 def rank_local_release_leaves_the_context():
     """Rank side: after a step and a dispatch under a (stand-in) capture, the release that waits
     on nobody; then the collective one without and with graphs_released."""
-    from cpu_runtime import te_ep_emulation as te
-    from cpu_runtime.moe_harness import init_megatron
     from megatron.core import parallel_state
     from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.kernels import te_ep_emulation as te
+    from moe_release.runtime.megatron.moe_harness import init_megatron
     from tests.unit_tests.transformer.moe import moe_cpu_harness as harness
 
     init_megatron(ep=2)
@@ -394,7 +394,7 @@ def rank_two_groups_without_te_private_group():
     import sys
     import types
 
-    from cpu_runtime import te_ep_emulation as te
+    from moe_release.runtime.kernels import te_ep_emulation as te
 
     module = te.installed()
     reads = []

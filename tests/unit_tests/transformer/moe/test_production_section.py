@@ -1,8 +1,8 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
 """The report at seed 000's shape (``run-report --production-shape``,
-``report.production_section``): its table at a tiny shape (both ranks, base and patched, the
-planner beside, the seed attributed, what the mode does not see), the patched tree holding less
+``moe_release.report.production_section``): its table at a tiny shape (both ranks, base and patched,
+the planner beside, the seed attributed, what the mode does not see), the patched tree holding less
 between calls, and the measured attributes against the planner's terms; the seed's shape
 itself behind ``slow``."""
 
@@ -10,7 +10,7 @@ import functools
 
 import pytest
 
-from report import production_section as ps
+from moe_release.report import production_section as ps
 
 
 @functools.cache

@@ -1,6 +1,6 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
-"""The production-shape mode (``cpu_runtime.production_shape``) against the real run.
+"""The production-shape mode (``moe_release.runtime.shapes.production_shape``) against the real run.
 
 At small shapes the same MoE layers and routing run twice on gloo ranks: on real tensors and in
 the production-shape mode (fake tensors for data, real values for the routing). Both count live
@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from cpu_runtime.production_shape import (
+from moe_release.runtime.shapes.production_shape import (
     BalancedRouting,
     LiveBytes,
     ProductionShapeMode,
@@ -56,7 +56,7 @@ SMALL = dict(ep=2, tokens=16, layers=2)
 
 @functools.cache
 def _run(tree, dispatcher, backend, extra, mode, routing="balanced", mis_size=None):
-    from cpu_runtime.production_shape_run import run
+    from moe_release.runtime.shapes.production_shape_run import run
 
     spec = {"kind": "balanced"} if routing == "balanced" else {"kind": "random", "seed": 3}
     return run(tree, 2, mode=mode, dispatcher=dispatcher, backend=backend, routing=spec,
@@ -95,7 +95,7 @@ def test_random_routing_agrees_too(patched_tree):
 
 def test_recorded_routing_from_a_real_run(patched_tree):
     """The router's own top-k on real data, recorded, then replayed both ways."""
-    from cpu_runtime.production_shape_run import run
+    from moe_release.runtime.shapes.production_shape_run import run
 
     recorded = run(patched_tree, 2, mode="real", dispatcher="alltoall", backend=None,
                    record=True, trace=False, **SMALL)  # fmt: skip
@@ -192,7 +192,7 @@ def test_a_large_data_buffer_written_in_part_with_data_keeps_no_value():
     """A zero-filled floating buffer larger than the values the mode keeps, written in part
     from data (the HybridEP emulation's dispatch output), drops its value whole rather than
     materializing it on the host; reading it as a size is refused, as for any data."""
-    from cpu_runtime.production_shape import SMALL_FLOAT
+    from moe_release.runtime.shapes.production_shape import SMALL_FLOAT
 
     mode, _ = _mode()
     with mode:
@@ -212,7 +212,7 @@ def test_the_running_live_bytes_total_follows_frees_and_resizes(mode_kind):
     which reaches no dispatch mode), and an op resizes its ``out``."""
     import gc
 
-    from cpu_runtime.production_shape import RealRun
+    from moe_release.runtime.shapes.production_shape import RealRun
 
     route = Routing(None, num_experts=4, topk=2, rank=0)
     counter = LiveBytes()
@@ -304,7 +304,7 @@ def test_production_shape_retention(patched_tree, base_tree, dispatcher, backend
     not dispatcher state (retained_origins names it; docs/planner.md). The base figures also
     hold this harness's input leaf and its .grad, T x H x 4, which the planner prices as the
     recompute leaf.)"""
-    from cpu_runtime.production_shape_run import run
+    from moe_release.runtime.shapes.production_shape_run import run
 
     runs = {
         kind: run(

@@ -1,6 +1,6 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
-"""The retained bytes split by origin (``cpu_runtime.retained_origins``).
+"""The retained bytes split by origin (``moe_release.runtime.shapes.retained_origins``).
 
 In this process on plain torch: each kind of holder is named and the terms sum to the retained
 bytes, real and in the production-shape mode. On gloo ranks at small shapes: megatron-core's MoE
@@ -14,8 +14,13 @@ import functools
 import pytest
 import torch
 
-from cpu_runtime.production_shape import LiveBytes, ProductionShapeMode, RealRun, Routing
-from cpu_runtime.retained_origins import origins
+from moe_release.runtime.shapes.production_shape import (
+    LiveBytes,
+    ProductionShapeMode,
+    RealRun,
+    Routing,
+)
+from moe_release.runtime.shapes.retained_origins import origins
 
 
 class _KeepInCtx(torch.autograd.Function):
@@ -89,7 +94,7 @@ T, E, K, G, L = 16, 4, 2, 2, 2  # tokens per rank, experts, top-k, EP group, loc
 
 @functools.cache
 def _run(tree, dispatcher, backend, mode, recompute=False):
-    from cpu_runtime.retained_origins import run_origins
+    from moe_release.runtime.shapes.retained_origins import run_origins
 
     return run_origins(
         tree, 2, mode=mode, dispatcher=dispatcher, backend=backend, recompute=recompute, **SMALL

@@ -3,13 +3,13 @@
 """The TransformerEngine NCCL EP emulation (``transformer_engine.pytorch.ep``) against TE's source.
 
 For each of the three TE APIs megatron calls (4329ff8 for dev, 622a3ee for 0.19.2, d0067d0 for
-main), a job on two gloo ranks under the placement rules runs the calls megatron makes and
-describes every output; each row of :mod:`cpu_runtime.te_ep_emulation`'s table is one test.
+main), a job on two gloo ranks under the placement rules runs the calls megatron makes and describes
+every output; each row of :mod:`moe_release.runtime.kernels.te_ep_emulation`'s table is one test.
 The semantics are checked against a reference written from TE's documented contract (``ep.h``:
 expert-major zones in source order, zero padding, the unweighted sum of a token's slots, the
-gradients of both), with small integers so that every bf16 sum is exact; what TE refuses is
-refused; each API accepts the calls of its megatron tree and refuses the others'; the import
-hook serves only megatron's two imports.
+gradients of both), with small integers so that every bf16 sum is exact; what TE refuses is refused;
+each API accepts the calls of its megatron tree and refuses the others'; the import hook serves only
+megatron's two imports.
 """
 
 import re
@@ -18,7 +18,7 @@ from typing import Dict, List
 
 import pytest
 
-from cpu_runtime import te_ep_emulation as TE
+from moe_release.runtime.kernels import te_ep_emulation as TE
 from tests.unit_tests.transformer.moe.test_deep_ep_emulation_outputs import _shape, parse_tables
 
 THIS = "tests.unit_tests.transformer.moe.test_te_ep_emulation"
@@ -34,7 +34,7 @@ def _row_id(row: Dict[str, str]) -> str:
 
 
 def _describe(value) -> Dict[str, object]:
-    from cpu_runtime import placement
+    from moe_release.runtime.cuda import placement
 
     if value is None:
         return {"type": "None"}
@@ -90,7 +90,7 @@ def rank_outputs(api: str) -> Dict[str, object]:
 
     import torch.distributed as dist
 
-    from cpu_runtime import placement
+    from moe_release.runtime.cuda import placement
 
     rules = contextlib.nullcontext() if placement.active() else placement.rules()
     runs: List[Dict[str, object]] = []
@@ -241,7 +241,7 @@ def rank_refusals(api: str) -> Dict[str, object]:
     import torch
     import torch.distributed as dist
 
-    from cpu_runtime import placement
+    from moe_release.runtime.cuda import placement
 
     world, rank, group = dist.get_world_size(), dist.get_rank(), dist.group.WORLD
     singles = [dist.new_group([r]) for r in range(world)]
@@ -481,7 +481,7 @@ def rank_context_memory() -> Dict[str, int]:
 
     import torch.distributed as dist
 
-    from cpu_runtime import cpu_memory
+    from moe_release.runtime.measure import cpu_memory
 
     cpu_memory.install()
     m = TE.build("622a3ee")

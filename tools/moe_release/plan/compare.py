@@ -1,0 +1,122 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""The repository's report of a configuration: every MoE memory term on one rank, the unpatched
+megatron-core (whose dispatchers keep their state between calls) beside the patched tree (which
+releases it), composed from the shipped :func:`estimate_config` of each; and the table."""
+
+from dataclasses import asdict
+from typing import Dict, Optional
+
+from moe_release.plan.pricing import planner
+
+MoEMemoryConfig = planner.MoEMemoryConfig
+
+
+def plan(cfg: MoEMemoryConfig, held_rows: Optional[int] = None) -> Dict[str, object]:
+    """Every MoE memory term of ``cfg`` on one rank, base (unpatched megatron-core) beside
+    patched (this series), as one JSON-able dict: the shipped estimate of a tree that keeps the
+    dispatcher state and of one that releases it. For HybridEP also what a call grows against
+    a buffer of ``held_rows`` per rank already held. A configuration the kernels refuse is a
+    ValueError citing the line that refuses it (``kernel_refusal``)."""
+    base = planner.estimate_config(cfg, releases=False)
+    patched = planner.estimate_config(cfg, releases=True)
+    shape = planner.layer_shape(cfg)
+    flex = cfg.moe_token_dispatcher_type == "flex"
+    group = cfg.group_size if flex else cfg.expert_model_parallel_size
+    out = {
+        "config": dict(asdict(cfg), recompute_modules=list(cfg.recompute_modules)),
+        "derived": {
+            "tokens_per_rank": cfg.tokens,
+            "dispatcher_group": group,
+            "local_experts": shape.local_experts,
+            "expert_columns": shape.experts,
+            "routed_rows": shape.routed_rows,
+            "moe_layers_per_rank": base.moe_layers,
+            "moe_layers_per_pipeline_rank": cfg.rank_moe_layers(),
+            "recompute": shape.recompute,
+            "deep_ep_source": cfg.deep_ep,
+            "deep_ep_commit": planner.DEEP_EP_SOURCES[cfg.deep_ep],
+            "deep_ep_v2_commit": planner.DEEP_EP_V2_COMMIT,
+            "nccl_ep_commit": planner.NCCL_EP_COMMIT,
+        },
+        "buffers": [asdict(t) for t in base.buffers],
+        "retained_per_layer": [asdict(t) for t in base.dispatcher_state or ()],
+        "retained_per_layer_but_the_last": [asdict(t) for t in base.dispatcher_state_chain],
+        "totals": {
+            "buffers_outside_allocator": base.buffer_bytes,
+            "buffers_pinned_host": base.buffer_pinned_host_bytes,
+            "buffers_released": base.buffer_released_bytes,
+            "retained_per_layer_base": base.dispatcher_state_bytes_per_layer,
+            "retained_per_layer_patched": patched.dispatcher_state_bytes_per_layer,
+            "retained_between_calls_base": base.dispatcher_state_bytes,
+            "retained_between_calls_patched": patched.dispatcher_state_bytes,
+        },
+    }
+    if flex and cfg.moe_flex_dispatcher_backend == "hybridep":
+        out["derived"]["hybridep_rows"] = planner.hybridep_rows(cfg.tokens)
+        out["per_call"] = planner.per_call_bytes(cfg)
+        out["growth"] = planner.hybridep_growth(cfg, held_rows)
+    out["expert_working_set"] = planner.expert_working_set(cfg)
+    return out
+
+
+def format_plan(result: Dict[str, object]) -> str:
+    """The plan as a table: every term, its bytes, where it lives, its source."""
+    d, tot = result["derived"], result["totals"]
+    c = result["config"]
+    head = (
+        f"MoE memory plan: {c['moe_token_dispatcher_type']}"
+        + (
+            f"/{c['moe_flex_dispatcher_backend']}"
+            if c["moe_token_dispatcher_type"] == "flex"
+            else ""
+        )
+        + f", H={c['hidden_size']}, {c['num_moe_experts']} experts top-{c['moe_router_topk']},"
+        f" group {d['dispatcher_group']}, T={d['tokens_per_rank']:,} tokens/rank,"
+        f" {d['moe_layers_per_rank']} MoE layers/rank, recompute {d['recompute']}"
+    )
+    lines = [head, f"{'term':52}{'bytes':>16}  {'where':18} source"]
+
+    def rows(terms):
+        for t in terms:
+            lines.append(f"  {t['name'][:50]:50}{t['nbytes']:>16,}  {t['where']:18} {t['source']}")
+
+    if result["buffers"]:
+        backend = result["config"]["moe_flex_dispatcher_backend"]
+        source = {
+            "deepepv2": f"DeepEP epv2-release {d['deep_ep_v2_commit'][:7]}",
+            "ncclep": f"NCCL EP, nccl-extensions {d['nccl_ep_commit'][:7]}",
+        }.get(backend, f"deep_ep {d.get('deep_ep_source', 'hybrid-ep')} {d['deep_ep_commit'][:7]}")
+        lines.append(f"communication buffers ({source}), base = patched:")
+        rows(result["buffers"])
+    if "growth" in result:
+        g = result["growth"]
+        held = "none" if g["held_rows"] is None else f"{g['held_rows']:,} rows"
+        lines.append(f"HybridEP buffer growth against the held buffer ({held}):")
+        lines.append(f"  {'rows per rank needed':50}{g['needed_rows']:>16,}")
+        lines.append(f"  {'allocated (outside the allocator)':50}{g['growth_bytes']:>16,}")
+    if "per_call" in result:
+        lines.append("one HybridEP call's outputs (allocator):")
+        lines += [f"  {k:50}{v:>16,}" for k, v in result["per_call"].items()]
+
+    def num(value) -> str:
+        return f"{value:>16,}" if value is not None else f"{'not modelled':>16}"
+
+    if tot["retained_per_layer_base"] is None:
+        lines.append("dispatcher state kept between calls: not modelled for this backend")
+    else:
+        lines.append("dispatcher state kept per MoE layer between calls, base (patched: 0):")
+    rows(result["retained_per_layer"])
+    if result["retained_per_layer_but_the_last"]:
+        lines.append("  and, reached from the next layer's graph (every MoE layer but the last):")
+        rows(result["retained_per_layer_but_the_last"])
+    lines += [
+        f"{'':52}{'base':>16}{'patched':>16}",
+        f"{'buffers outside the allocator':52}{tot['buffers_outside_allocator']:>16,}"
+        f"{tot['buffers_outside_allocator']:>16,}",
+        f"{'retained per MoE layer (allocator)':52}{num(tot['retained_per_layer_base'])}"
+        f"{num(tot['retained_per_layer_patched'])}",
+        f"{'retained between calls, all MoE layers':52}"
+        f"{num(tot['retained_between_calls_base'])}{num(tot['retained_between_calls_patched'])}",
+    ]
+    return "\n".join(lines)
