@@ -11,6 +11,6 @@
 * ``overlap_section`` - the 1F1B A2A-overlap section
 * ``buffer_section`` - the communication-buffer and HybridEP-accounting rows
 
-Imported with ``scripts/`` on ``sys.path``; importing the package imports none of its modules, so
+Imported with ``tools/`` on ``sys.path``; importing the package imports none of its modules, so
 a rank loading ``moe_release.report.worker`` does not load the command's side.
 """

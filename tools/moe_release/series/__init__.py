@@ -23,6 +23,7 @@ Pure functions over bytes and their I/O are kept apart:
 * ``matrix`` - the compatibility matrix from the pins and the recorded test runs
 * ``cli`` - the verbs
 
-The verbs (``apply``, ``port``, ``upstream``, ``check``, ``landed``, ``drift``, ``matrix``) never
-import each other; only ``cli`` imports them (tests/tooling/test_patchtool_layers.py).
+The verbs (``apply``, ``port``, ``upstream``, ``check``, ``landed``, ``drift``, ``matrix``) live
+in :mod:`.verbs` and never import each other; only ``cli`` imports them
+(tests/tooling/test_import_layers.py).
 """

@@ -18,7 +18,7 @@ It launches ``python -m torch.distributed.run --nproc-per-node N -m pytest -p
 moe_release.upstream_tests.plugin PYTEST ARGS`` in CHECKOUT, as upstream's CI launches its unit
 tests on a node (every rank runs pytest; upstream's ``Utils`` reads ``WORLD_SIZE``, ``RANK``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), with CHECKOUT first on ``PYTHONPATH`` (its
-``megatron`` and ``tests`` packages win over an installed megatron-core), ``scripts/`` after it (the
+``megatron`` and ``tests`` packages win over an installed megatron-core), ``tools/`` after it (the
 plugin and the CPU runtime), no visible GPU, one thread per rank and a free port. The plugin
 (:mod:`moe_release.upstream_tests.plugin`) runs the ranks under the CPU runtime's placement rules
 (CUDA's rules on host tensors; ``--no-stream-order``: without their stream-ordering check;
