@@ -5,10 +5,9 @@ the same code (AST with docstrings) at the end of every backport series and upst
 unless drift.NOT_CARRIED names it for that series with the reason.
 """
 
-import os
-
 import pytest
 
+from moe_release import settings
 from moe_release.series.common import UserError
 from moe_release.series.verbs import drift
 
@@ -78,6 +77,6 @@ def test_every_series_ends_with_the_primary_release_code():
     except UserError as exc:  # a base that cannot be read is a failure, not a skip
         pytest.fail(str(exc))
     assert {"0.18.2", "0.18.0", "0.17.1", "0.17.0", "0.16.1"} <= set(compared), compared
-    if os.environ.get("MOE_RELEASE_MEGATRON_LM"):
+    if settings.megatron_lm():
         assert {"main-d98e8a6", "dev-d48bd6b"} <= set(compared), compared
     assert problems == [], "\n".join(problems)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from moe_release import settings
 from moe_release.series.cli import main as cli_main
 from moe_release.series.common import REPO_ROOT, UserError
 from moe_release.series.patches import check_trailers, parse_patch, upstream_subject
@@ -660,7 +661,7 @@ def _mirror_clone(tmp_path: Path, commit: str) -> Path:
     """A work tree of $MOE_RELEASE_MEGATRON_LM's ``commit``, as a new user's clone."""
     work = tmp_path / "Megatron-LM"
     _git(tmp_path, "clone", "-q", "--shared", "--no-checkout",
-         os.environ["MOE_RELEASE_MEGATRON_LM"], str(work))  # fmt: skip
+         settings.megatron_lm(), str(work))  # fmt: skip
     _git(work, "checkout", "-q", "--detach", commit)
     return work
 
@@ -702,7 +703,7 @@ def test_check_on_the_mirror_applies_the_prerequisites_then_the_pr(
     dispatcher-state, then hybridep-groups, then the PR, each applied with git am."""
     monkeypatch.setenv("GIT_COMMITTER_NAME", IDENT[0])
     monkeypatch.setenv("GIT_COMMITTER_EMAIL", IDENT[1])
-    commit, mirror = target_base(target).commit, os.environ["MOE_RELEASE_MEGATRON_LM"]
+    commit, mirror = target_base(target).commit, settings.megatron_lm()
     code, text = _cli(capsys, target, str(tmp_path / "pr"), "--topic", "comm-buffers",
                       "--check", mirror, "--ref", commit)  # fmt: skip
     assert code == 0, text

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from moe_release import settings
 from moe_release.series.common import UserError
 from moe_release.series.pins import load_pins
 from moe_release.series.repo import read_series
@@ -43,7 +44,7 @@ MOE = "tests/unit_tests/transformer/moe"
 
 
 def _tree(name: str) -> Path:
-    tree = os.environ.get(name)
+    tree = {"MOE_RELEASE_TREE": settings.tree, "MOE_RELEASE_BASE_TREE": settings.base_tree}[name]()
     if not tree or not (Path(tree) / "megatron" / "core").is_dir():
         pytest.skip(f"{name} is not set to a materialized tree (scripts/run-tests sets it)")
     return Path(tree)

@@ -10,11 +10,12 @@ compare one to one.
 """
 
 import contextlib
-import os
 from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
+
+from moe_release import settings
 
 
 @contextlib.contextmanager
@@ -141,7 +142,7 @@ class DenseOracle:
 
 
 def env_tree() -> str:
-    return os.environ["MOE_RELEASE_TREE"]
+    return settings.tree(required=True)
 
 
 def summarize(t: Optional[torch.Tensor]):

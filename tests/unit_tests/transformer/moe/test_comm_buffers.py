@@ -718,11 +718,12 @@ def failing_rank_exit_job(peer_free: str) -> None:
     import sys
     import time
 
+    from moe_release import settings
     from moe_release.runtime.cuda import placement
     from moe_release.runtime.kernels.install import install_kernel_emulations
     from moe_release.runtime.megatron.moe_harness import build_moe_layer, init_megatron, moe_config
 
-    install_kernel_emulations(os.environ["MOE_RELEASE_TREE"], False)
+    install_kernel_emulations(settings.tree(required=True), False)
     placement.install()
     dist.init_process_group("gloo")
     init_megatron(ep=dist.get_world_size())

@@ -18,6 +18,7 @@ import textwrap
 
 import pytest
 
+from moe_release import settings
 from moe_release.runtime.ranks.launcher import REPO_ROOT, TOOLS, free_port
 
 pytestmark = pytest.mark.backport  # release tests: run against every pinned base
@@ -62,7 +63,7 @@ CHECKS = {
 
 def _base_source(rel: str) -> str:
     """The text of ``megatron/core/<rel>`` in the base tree under test ("" when absent)."""
-    path = os.path.join(os.environ.get("MOE_RELEASE_BASE_TREE") or "", "megatron", "core", rel)
+    path = os.path.join(settings.base_tree() or "", "megatron", "core", rel)
     if not os.path.isfile(path):
         return ""
     with open(path, encoding="utf-8") as f:
@@ -72,7 +73,7 @@ def _base_source(rel: str) -> str:
 def _applicable_checks() -> list:
     """The checks whose spot exists in the base under test ("nothing_to_fix" where none
     does; all of them when no base tree is set: the tests then skip)."""
-    if not os.environ.get("MOE_RELEASE_BASE_TREE"):
+    if not settings.base_tree():
         return sorted(CHECKS)
     moe_utils = _base_source("transformer/moe/moe_utils.py")
     present = {

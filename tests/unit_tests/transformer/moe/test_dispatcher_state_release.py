@@ -18,13 +18,13 @@ import weakref
 
 import pytest
 
-from moe_release import backends
+from moe_release import backends, settings
 from moe_release.runtime.cuda.placement import added_syncs
 from moe_release.runtime.ranks.launcher import DistributedTestError, run_distributed
 from tests.unit_tests.release_cases import backport
 
-PATCHED_TREE = os.environ.get("MOE_RELEASE_TREE")
-BASE_TREE = os.environ.get("MOE_RELEASE_BASE_TREE")
+PATCHED_TREE = settings.tree()
+BASE_TREE = settings.base_tree()
 THIS = "tests.unit_tests.transformer.moe.test_dispatcher_state_release"
 
 # Skipped without the trees (a plain `pytest` outside scripts/run-tests); under CI a skip fails

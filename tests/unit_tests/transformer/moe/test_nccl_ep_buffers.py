@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from moe_release import settings
 from tests.unit_tests.release_cases import backport
 
 THIS = "tests.unit_tests.transformer.moe.test_nccl_ep_buffers"
@@ -32,7 +33,7 @@ HIDDEN, TOKENS, EXPERTS, FACTOR = 64, 8, 4, 4.0
 
 def _tree_has_zero_copy() -> bool:
     """Whether the tree's NCCL EP manager has the zero-copy buffers (0.19.2, main; not dev)."""
-    tree = os.environ.get("MOE_RELEASE_TREE", "")
+    tree = settings.tree() or ""
     path = os.path.join(tree, "megatron", "core", "transformer", "moe", "token_dispatcher.py")
     try:
         with open(path, encoding="utf-8") as f:

@@ -12,11 +12,11 @@ process on plain torch.
 """
 
 import functools
-import os
 
 import pytest
 import torch
 
+from moe_release import settings
 from moe_release.runtime.shapes.production_shape import (
     BalancedRouting,
     LiveBytes,
@@ -27,8 +27,8 @@ from moe_release.runtime.shapes.production_shape import (
     compare_traces,
 )
 
-PATCHED_TREE = os.environ.get("MOE_RELEASE_TREE")
-BASE_TREE = os.environ.get("MOE_RELEASE_BASE_TREE")
+PATCHED_TREE = settings.tree()
+BASE_TREE = settings.base_tree()
 
 # (dispatcher, backend, extra measure() arguments)
 CASES = [
