@@ -15,7 +15,7 @@ from moe_release import backends
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOOLS = REPO_ROOT / "tools"
 REGISTRY_FILE = TOOLS / "moe_release" / "backends.py"
-PLANNER = REPO_ROOT / "megatron" / "core" / "transformer" / "moe" / "moe_memory_planner.py"
+PLANNER = REPO_ROOT / "megatron/core/transformer/moe/moe_memory_planner/retained.py"
 CONFIG = "megatron/core/transformer/transformer_config.py"
 
 

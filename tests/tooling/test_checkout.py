@@ -34,7 +34,7 @@ from moe_release.series.verbs.matrix import (
     table,
 )
 
-PLANNER = "megatron/core/transformer/moe/moe_memory_planner.py"
+PLANNER = "megatron/core/transformer/moe/moe_memory_planner/__init__.py"
 # Megatron-LM's packaging, as its pyproject.toml has it (the version read from package_info.py,
 # package data from MANIFEST.in), without the C++ helper.
 PYPROJECT = """[build-system]

@@ -275,6 +275,19 @@ def test_overlay_collision_and_init_rejected(tmp_path, repo):
     assert leftovers(tmp_path) == []
 
 
+def test_overlay_subpackage_keeps_its_init(tmp_path, repo):
+    """A new subpackage of ours (the planner) has an ``__init__.py``; it reaches the tree."""
+    pkg = repo / "megatron/core/transformer/moe/our_subpackage"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("VALUE = 1\n")
+    (pkg / "part.py").write_text("PART = 2\n")
+    tree = materialize(tmp_path / "tree", root=repo)
+    for name in ("__init__.py", "part.py"):
+        rel = f"megatron/core/transformer/moe/our_subpackage/{name}"
+        assert rel in tree.overlay
+        assert (tmp_path / "tree" / rel).read_text() == (pkg / name).read_text()
+
+
 def test_each_prefix_must_compile(base, base_files, repo):
     bad = _commit_patch(
         repo, base, base_files, "megatron/core/transformer/moe/router.py",

@@ -8,7 +8,7 @@ A new backend is one more :class:`Backend` in :data:`REGISTRY` (and its emulatio
 section, the fault matrix and the tests read their backends from here.
 ``tests/tooling/test_backends.py`` keeps the list written out nowhere else under ``tools/``.
 
-The planner (``megatron/core/transformer/moe/moe_memory_planner.py``) ships in the wheel and
+The planner (``megatron/core/transformer/moe/moe_memory_planner/``) ships in the wheel and
 imports no tooling: it keeps its own ``FLEX_BACKENDS``, and each entry here names the planner's
 spelling (the test checks the two agree).
 

@@ -21,8 +21,8 @@ DEEP_EP_MAIN_COMMIT = planner.DEEP_EP_MAIN_COMMIT
 INT_MAX = planner.INT_MAX
 TRANSFORMER_CONFIG = planner.TRANSFORMER_CONFIG
 MoEMemoryConfig = planner.MoEMemoryConfig
-_positive = planner._positive
-_real = planner._real
+_positive = planner.check_positive
+_real = planner.is_real
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,9 @@ def read_series_dir(sdir: Path) -> list[tuple[str, bytes]]:
 
 
 def overlay_files(root: Path = REPO_ROOT) -> list[tuple[str, bytes]]:
-    """(tree path, bytes) of the new modules this repo adds to megatron-core."""
+    """(tree path, bytes) of the new modules this repo adds to megatron-core. An overlay
+    directory (a megatron-core package) must hold no ``__init__.py``; a new subpackage of ours
+    below it (the planner) has its own."""
     out = []
     for rel in OVERLAY_DIRS:
         directory = root / rel
@@ -48,10 +50,10 @@ def overlay_files(root: Path = REPO_ROOT) -> list[tuple[str, bytes]]:
         for path in sorted(directory.rglob("*")):
             if path.is_dir() or "__pycache__" in path.parts or path.name.startswith("."):
                 continue
-            if path.name == "__init__.py":
+            if path.name == "__init__.py" and path.parent == directory:
                 raise UserError(
-                    f"{path.relative_to(root)}: the overlay must not contain __init__.py "
-                    "(it would shadow megatron-core on sys.path)"
+                    f"{path.relative_to(root)}: the overlay must not contain __init__.py at "
+                    f"{rel} (it would shadow megatron-core on sys.path)"
                 )
             out.append((str(path.relative_to(root)), path.read_bytes()))
     return out

@@ -1,6 +1,6 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
-"""The MoE memory planner (the overlay's ``moe_memory_planner`` module and its command).
+"""The MoE memory planner (the overlay's ``moe_memory_planner`` package and its command).
 
 * Buffer terms against figures worked by hand from deep_ep's source at the planner's
   ``DEEP_EP_COMMIT`` (the lines each term cites): seed 000's shape on one node, a hidden size
@@ -37,7 +37,7 @@ import pytest
 import torch
 
 from moe_release.plan import cli, compare, inputs
-from moe_release.plan.pricing import load_planner
+from moe_release.plan.pricing import load_planner, source_files
 from moe_release.runtime.ranks.launcher import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "scripts" / "moe_memory_plan.py"
@@ -362,8 +362,8 @@ def test_a_wrong_hybridep_planner_term_is_caught(monkeypatch, name, delta, named
     lines = buffer_section.hybridep_accounting_lines(cfg, run, 2)
     assert "planner = emulation's reading" in lines[-1], lines
     right = planner.hybridep_buffer_terms
-    monkeypatch.setattr(
-        planner, "hybridep_buffer_terms", lambda lay: _wrong(right(lay), name, delta)
+    monkeypatch.setattr(  # where buffer_terms looks it up
+        planner.plan, "hybridep_buffer_terms", lambda lay: _wrong(right(lay), name, delta)
     )
     lines = buffer_section.hybridep_accounting_lines(cfg, run, 2)
     (bad,) = [x for x in lines if "MISMATCH" in x]
@@ -435,7 +435,7 @@ def test_a_wrong_deepep_planner_term_is_caught(monkeypatch, wrong):
     )
     if wrong == "nvl hint +128":
         right = planner.deepep_nvl_bytes
-        monkeypatch.setattr(planner, "deepep_nvl_bytes", lambda *a: right(*a) + 128)
+        monkeypatch.setattr(planner.deepep, "deepep_nvl_bytes", lambda *a: right(*a) + 128)
         named = "NVLink buffer (num_nvl_bytes)"
         terms = planner.deepep_buffer_terms(4096, 2)
     elif wrong == "RDMA counter freed":
@@ -1725,7 +1725,7 @@ def test_the_cited_megatron_lines_say_what_the_planner_says(path, lines, holds, 
     text = (Path(base_tree) / "megatron" / path).read_text().splitlines()
     first, _, last = lines.partition("-")
     assert holds in "\n".join(text[int(first) - 1 : int(last or first)])
-    cited = Path(planner.__file__).read_text() + Path(inputs.__file__).read_text()
+    cited = "".join(p.read_text() for p in [*source_files(), Path(inputs.__file__)])
     assert f":{lines}" in cited  # and the planner (its pricing or its command) cites them
 
 

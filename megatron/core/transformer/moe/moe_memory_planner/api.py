@@ -1,0 +1,268 @@
+# Copyright (c) 2026, moe-release contributors. All rights reserved.
+
+"""The public estimate: a ``TransformerConfig`` (or a Mapping of its fields) and the tokens per
+rank to a :class:`MoEMemoryEstimate`, with the dispatcher state of the installed
+megatron-core."""
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Union
+
+from .config import MoEMemoryConfig
+from .plan import buffer_terms, kernel_refusal, layer_shape
+from .retained import BACKENDS, retained_chain_terms, retained_state_terms
+from .sources import DEEP_EP_SOURCES, DEEP_EP_V2_COMMIT, NCCL_EP_COMMIT
+from .terms import HOST, OUTSIDE, Term, released_bytes, total
+
+if TYPE_CHECKING:  # only for the annotations: the planner imports the standard library alone
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+# The dispatcher classes of megatron/core/transformer/moe/token_dispatcher.py, by
+# moe_token_dispatcher_type.
+DISPATCHER_CLASSES = {
+    "allgather": "MoEAllGatherTokenDispatcher",
+    "alltoall": "MoEAlltoAllTokenDispatcher",
+    "flex": "MoEFlexTokenDispatcher",
+}
+# The hook a releasing tree's dispatchers call at the end of combine_postprocess (megatron-core
+# with moe-release's series; upstream's dev branch has reset_transient_forward_state() but does
+# not call it after combine).
+RELEASE_HOOK = "_maybe_reset_transient_forward_state"
+
+
+def installed_tree_releases(dispatcher_type: str) -> bool:
+    """Whether the installed megatron-core's dispatcher of ``dispatcher_type`` (allgather,
+    alltoall, flex) releases its per-forward state once combine is done: its
+    ``combine_postprocess`` calls ``_maybe_reset_transient_forward_state``. Read from the
+    installed code (imports ``megatron.core.transformer.moe.token_dispatcher``, and so torch);
+    nothing is built or run."""
+    import inspect
+
+    from megatron.core.transformer.moe import token_dispatcher
+
+    if dispatcher_type not in DISPATCHER_CLASSES:
+        raise ValueError(
+            f"moe_token_dispatcher_type: {dispatcher_type!r} is not one of "
+            f"{', '.join(DISPATCHER_CLASSES)}"
+        )
+    cls = getattr(token_dispatcher, DISPATCHER_CLASSES[dispatcher_type])
+    code = getattr(inspect.unwrap(cls.combine_postprocess), "__code__", None)
+    return code is not None and RELEASE_HOOK in code.co_names
+
+
+@dataclass(frozen=True)
+class MoEMemoryEstimate:
+    """What the MoE layers of one rank hold, term by term (:func:`estimate`).
+
+    Attributes:
+        config: the configuration priced (TransformerConfig's field names).
+        buffers: the flex dispatcher's communication buffers, one :class:`Term` each (bytes,
+            where they live: ``OUTSIDE`` PyTorch's allocator or ``HOST`` pinned memory, the
+            source line that sizes them, whether a release of the buffers frees them); empty
+            for the all-gather and all-to-all dispatchers. Allocated at the first dispatch, held
+            until released; one set per rank, whatever the number of layers.
+        buffer_source: the source and commit the buffer terms were read from.
+        releases: whether the tree priced releases its dispatchers' per-forward state after
+            combine (megatron-core with moe-release's series) or keeps it between calls.
+        dispatcher_state: what one MoE layer's dispatcher keeps between calls, in PyTorch's
+            allocator (or pinned host memory): empty where the tree releases it; None where it
+            is not modelled (the DeepEP v2 and NCCL EP backends).
+        dispatcher_state_chain: without recompute, what a later layer's retained graph adds
+            through each earlier layer's combine (every MoE layer but the last).
+        moe_layers: MoE layers of the pipeline rank that builds the most.
+    """
+
+    config: MoEMemoryConfig
+    buffers: Tuple[Term, ...]
+    buffer_source: str
+    releases: bool
+    dispatcher_state: Optional[Tuple[Term, ...]]
+    dispatcher_state_chain: Tuple[Term, ...]
+    moe_layers: int
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Device bytes of the communication buffers, outside PyTorch's allocator."""
+        return total(self.buffers, OUTSIDE)
+
+    @property
+    def buffer_pinned_host_bytes(self) -> int:
+        """Pinned host bytes of the communication buffers."""
+        return total(self.buffers, HOST)
+
+    @property
+    def buffer_released_bytes(self) -> int:
+        """Bytes (device and pinned host) a release of the buffers gives back."""
+        return released_bytes(self.buffers)
+
+    @property
+    def dispatcher_state_bytes_per_layer(self) -> Optional[int]:
+        """Bytes one MoE layer's dispatcher keeps between calls (None: not modelled)."""
+        return None if self.dispatcher_state is None else total(self.dispatcher_state)
+
+    @property
+    def dispatcher_state_bytes(self) -> Optional[int]:
+        """Bytes every MoE layer of the rank keeps between calls (None: not modelled)."""
+        per_layer = self.dispatcher_state_bytes_per_layer
+        if per_layer is None:
+            return None
+        chain = total(self.dispatcher_state_chain) * max(self.moe_layers - 1, 0)
+        return per_layer * self.moe_layers + chain
+
+
+def buffer_source(cfg: MoEMemoryConfig) -> str:
+    """The source and commit ``cfg``'s buffer terms are read from ("" without buffers)."""
+    if cfg.moe_token_dispatcher_type != "flex":
+        return ""
+    backend = cfg.moe_flex_dispatcher_backend
+    if backend == "deepepv2":
+        return f"DeepEP epv2-release {DEEP_EP_V2_COMMIT}"
+    if backend == "ncclep":
+        return f"NCCL EP nccl-extensions {NCCL_EP_COMMIT}"
+    return f"deep_ep {cfg.deep_ep} {DEEP_EP_SOURCES[cfg.deep_ep]}"
+
+
+def estimate_config(cfg: MoEMemoryConfig, releases: Optional[bool] = None) -> MoEMemoryEstimate:
+    """:func:`estimate` of a :class:`MoEMemoryConfig`. ``releases`` None: read from the
+    installed megatron-core (:func:`installed_tree_releases`)."""
+    refusal = kernel_refusal(cfg)
+    if refusal:
+        raise ValueError(refusal)
+    dispatcher = cfg.moe_token_dispatcher_type
+    if releases is None:
+        releases = installed_tree_releases(dispatcher)
+    flex = dispatcher == "flex"
+    backend = cfg.moe_flex_dispatcher_backend if flex else None
+    state: Optional[Tuple[Term, ...]] = None
+    chain: Tuple[Term, ...] = ()
+    if backend in (None,) + BACKENDS:
+        state = ()
+        if not releases:
+            shape = layer_shape(cfg)
+            group = cfg.group_size if flex else cfg.expert_model_parallel_size
+            nodes = max(group // cfg.ranks_per_node, 1)
+            state = tuple(retained_state_terms(shape, dispatcher, backend, nodes))
+            chain = tuple(retained_chain_terms(shape, dispatcher, backend))
+    return MoEMemoryEstimate(
+        config=cfg,
+        buffers=tuple(buffer_terms(cfg)),
+        buffer_source=buffer_source(cfg),
+        releases=releases,
+        dispatcher_state=state,
+        dispatcher_state_chain=chain,
+        moe_layers=cfg.moe_layers_per_rank,
+    )
+
+
+# TransformerConfig fields the estimate reads; any other field of the config is not read.
+CONFIG_FIELDS = tuple(
+    f.name
+    for f in fields(MoEMemoryConfig)
+    if f.name not in ("tokens_per_rank", "seq_length", "micro_batch_size", "ranks_per_node",
+                      "routed_rows_factor", "deep_ep", "bf16", "local_rank")
+)  # fmt: skip
+
+
+# What the caller's config is: a megatron-core TransformerConfig or a Mapping of its fields.
+ConfigLike = Union["TransformerConfig", Mapping[str, Any]]
+# Fields the estimate cannot do without (a TransformerConfig of a dense model has no experts).
+NEEDED_FIELDS = ("hidden_size", "num_moe_experts", "moe_router_topk", "num_layers")
+
+
+def _field(config: ConfigLike, name: str) -> Any:
+    if isinstance(config, Mapping):
+        return config.get(name)
+    return getattr(config, name, None)
+
+
+def config_from(
+    config: ConfigLike,
+    tokens_per_rank: int,
+    ranks_per_node: int = 8,
+    routed_rows_factor: float = 1.0,
+    deep_ep: str = "hybrid-ep",
+    local_rank: Optional[int] = None,
+) -> MoEMemoryConfig:
+    """The :class:`MoEMemoryConfig` of a megatron-core ``TransformerConfig`` (its fields read
+    with getattr) or a Mapping of the same field names; a field it lacks or holds None takes
+    TransformerConfig's default. ``bf16`` or ``fp16`` set: 16-bit activations. A
+    ``PipelineParallelLayerLayout`` is read from what it was built from. ValueError names the
+    field."""
+    missing = [name for name in NEEDED_FIELDS if _field(config, name) is None]
+    if missing:
+        raise ValueError(f"{missing[0]}: needed, got None or nothing (an MoE model's field)")
+    values: Dict[str, Any] = {}
+    for name in CONFIG_FIELDS:
+        value = _field(config, name)
+        if value is None:
+            continue
+        if name == "pipeline_model_parallel_layout" and hasattr(value, "input_data"):
+            value = value.input_data  # megatron's PipelineParallelLayerLayout
+        if name == "pipeline_model_parallel_layout" and isinstance(value, (list, tuple)):
+            value = [[getattr(t, "name", t) for t in stage] for stage in value]  # LayerType
+        if name in ("recompute_modules", "moe_layer_freq") and isinstance(value, list):
+            value = tuple(value)
+        values[name] = value
+    values["bf16"] = bool(_field(config, "bf16") or _field(config, "fp16"))
+    return MoEMemoryConfig(
+        **values,
+        tokens_per_rank=tokens_per_rank,
+        ranks_per_node=ranks_per_node,
+        routed_rows_factor=routed_rows_factor,
+        deep_ep=deep_ep,
+        local_rank=local_rank,
+    )
+
+
+def estimate(
+    config: ConfigLike,
+    tokens_per_rank: int,
+    *,
+    ranks_per_node: int = 8,
+    routed_rows_factor: float = 1.0,
+    deep_ep: str = "hybrid-ep",
+    releases: Optional[bool] = None,
+    local_rank: Optional[int] = None,
+) -> MoEMemoryEstimate:
+    """The MoE memory one rank of ``config`` holds, before anything is allocated: the flex
+    dispatcher's communication buffers and the dispatcher state the tree keeps between calls.
+
+    Args:
+        config: a megatron-core ``TransformerConfig``, or a Mapping of its field names
+            (``hidden_size``, ``num_moe_experts``, ``moe_router_topk`` and ``num_layers`` are
+            needed; the parallel sizes, pipeline split, ``moe_layer_freq``, dispatcher and
+            backend, recompute, ``bf16``/``fp16`` are read where given).
+        tokens_per_rank: tokens one MoE layer's dispatcher receives per call on this rank
+            (``seq_length x micro_batch_size / (TP x CP)`` with sequence parallelism).
+        ranks_per_node: ranks of one NVLink domain (8 on an HGX node, 72 on GB200 NVL72).
+        routed_rows_factor: rows this rank's experts receive, as a multiple of balanced
+            routing (``tokens_per_rank x top-k``); at most EP.
+        deep_ep: the deep_ep source DeepEP's normal mode is priced at: ``hybrid-ep``
+            (``DEEP_EP_COMMIT``) or ``main`` (``DEEP_EP_MAIN_COMMIT``).
+        releases: whether the tree releases its dispatchers' state after combine; None reads
+            it from the installed megatron-core (:func:`installed_tree_releases`).
+        local_rank: the rank priced (its rank within the NVLink domain counts): HybridEP's
+            local rank 0 allocates 3 x 8 B of flags its peers map; None prices a peer.
+
+    Returns:
+        A :class:`MoEMemoryEstimate`: every term with its bytes, where it lives and the source
+        line that sizes it (HybridEP's and DeepEP's buffers from deep_ep at ``DEEP_EP_COMMIT``
+        or ``DEEP_EP_MAIN_COMMIT``, DeepEP v2's at ``DEEP_EP_V2_COMMIT``, NCCL EP's at
+        ``NCCL_EP_COMMIT``; its ``buffer_source`` names the one used).
+
+    Raises:
+        ValueError: a field missing or out of range, or a configuration the kernels refuse,
+            named with the line that refuses it.
+        ImportError: ``releases`` None where megatron-core (and torch) cannot be imported.
+
+    Not modelled: NVSHMEM's own memory, NCCL communicators, the cuMem fabric granularity,
+    DeepEP's low-latency mode, capacity-factor routing (the estimate is dropless), the MoE
+    layers of MTP, per-expert padding of routed rows for FP8, the device-dependent limits of
+    the kernels (SM count, shared memory), activations, weights and optimizer state, and the
+    dispatcher state of the DeepEP v2 and NCCL EP backends (``dispatcher_state`` is None).
+    HybridEP's chunk sizes are read from the environment, as deep_ep reads them.
+    """
+    cfg = config_from(
+        config, tokens_per_rank, ranks_per_node, routed_rows_factor, deep_ep, local_rank
+    )
+    return estimate_config(cfg, releases)
