@@ -8,7 +8,7 @@ upstream PR stack in merge order (``dispatcher-state`` = the first four patches,
 ``+ hybridep-groups``, ``+ comm-buffers`` = the whole series), and ``hybridep-groups +
 comm-buffers`` without ``dispatcher-state`` (the CPU-import patch kept). The series is read from the
 working tree, or from a commit with ``--series-from REV``. Each cell is
-:func:`moe_release.runtime.megatron.fault_scenarios.run_cell`; the table and the failures with their
+:func:`moe_release.runtime.megatron.fault_cells.run_cell`; the table and the failures with their
 figures go to ``--out`` (markdown) and ``--json``; ``--record-golden PATH`` writes the base row's
 figures as the golden values ``test_comm_buffer_faults.py`` compares with. A long run
 (minutes per tree), not part of CI::
@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from moe_release.runtime.megatron import fault_cells as fc
 from moe_release.runtime.megatron import fault_scenarios as fs
 
 REPO = Path(__file__).resolve().parents[3]
@@ -166,9 +167,9 @@ def run_row(tree: Path, backends, scenarios, label: str) -> Dict[str, dict]:
             if not fs.applies(scenario, backend):
                 continue
             start = time.monotonic()
-            summary = fs.summary(fs.run_cell(str(tree), scenario, backend))
+            summary = fc.summary(fc.run_cell(str(tree), scenario, backend))
             out[f"{scenario}/{backend}"] = summary
-            bad = fs.violations(scenario, summary, None)
+            bad = fc.violations(scenario, summary, None)
             verdict = "pass" if not bad else "FAIL: " + "; ".join(bad)
             print(
                 f"[{label}] {scenario}/{backend} ({time.monotonic() - start:.1f} s): {verdict}",
@@ -184,7 +185,7 @@ def failures(rows: Dict[str, Dict[str, dict]], base_row: str) -> List[str]:
         base = rows.get(base_row, {}) if tree != base_row else {}
         bad = []
         for key, summary in cells.items():
-            why = fs.violations(key.split("/")[0], summary, base.get(key))
+            why = fc.violations(key.split("/")[0], summary, base.get(key))
             if why:
                 bad.append(f"  - `{key}`: " + "; ".join(why))
         lines.append(f"- **{tree}**: {len(bad)} of {len(cells)} cells fail")
@@ -239,7 +240,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     if args.from_json:
         series = "rendered from " + ", ".join(p.name for p in args.from_json)
-    table = fs.markdown(results, "base")
+    table = fc.markdown(results, "base")
     text = "\n".join(failures(results, "base"))
     if args.out:
         begin, end = markers(args.base or "0.19.2")

@@ -5,7 +5,7 @@ goes wrong, per scenario and backend, against the unpatched base's recorded cell
 
 Each case is one cell of :mod:`moe_release.runtime.megatron.fault_scenarios` on the patched tree:
 two rank processes that exit through the interpreter, every collective logged with its context
-(:mod:`moe_release.runtime.measure.faults`). The pass rule (``fault_scenarios.violations``): within
+(:mod:`moe_release.runtime.measure.faults`). The pass rule (``fault_cells.violations``): within
 the scenario's bound, exits within theirs, device bytes flat from cycle 1 to 5, no collective from a
 finalizer, a garbage collection, an atexit hook after an exception or a backward, no peer wait in
 ``destroy_model_parallel()`` the base's teardown does not make, nothing kept after an abort but the
@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from moe_release import backends
+from moe_release.runtime.megatron import fault_cells as fc
 from moe_release.runtime.megatron import fault_scenarios as fs
 
 THIS = "tests.unit_tests.transformer.moe.test_comm_buffer_faults"
@@ -67,9 +68,9 @@ def _golden(tree: str) -> dict:
 
 
 def _check(tree: str, scenario: str, backend: str, base: dict) -> None:
-    cell = fs.run_cell(tree, scenario, backend)
-    summary = fs.summary(cell)
-    bad = fs.violations(scenario, summary, base)
+    cell = fc.run_cell(tree, scenario, backend)
+    summary = fc.summary(cell)
+    bad = fc.violations(scenario, summary, base)
     tails = "\n".join(
         f"--- rank {i} (exit {r['rc']}) ---\n{r['output_tail'][-800:]}"
         for i, r in enumerate(cell["ranks"])
@@ -91,7 +92,7 @@ def test_fault_cell(patched_tree, scenario, backend):
 def test_fault_cell_against_the_base_run_live(patched_tree, base_tree, scenario, backend):
     """The full product: every scenario (both variants of c and g) and backend, the base's cell
     measured now beside the tree's."""
-    base = fs.summary(fs.run_cell(base_tree, scenario, backend))
+    base = fc.summary(fc.run_cell(base_tree, scenario, backend))
     _check(patched_tree, scenario, backend, base)
 
 
