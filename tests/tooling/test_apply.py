@@ -12,6 +12,7 @@ import pytest
 from conftest import AUTHOR, REPO_ROOT, TRAILERS
 
 from moe_release.series import cli
+from moe_release.series.applying import APPLIED, CONFLICT, LANDED, NOT_APPLICABLE, REPLAYED
 from moe_release.series.checkout import verify_checkout_install
 from moe_release.series.common import UserError
 from moe_release.series.git import format_patches, git, git_env
@@ -19,11 +20,6 @@ from moe_release.series.merge import Resolution, file_diff, has_markers, merge_f
 from moe_release.series.source import CHECKOUT_ENV
 from moe_release.series.verbs import apply as apply_mod
 from moe_release.series.verbs.apply import (
-    APPLIED,
-    CONFLICT,
-    LANDED,
-    NOT_APPLICABLE,
-    REPLAYED,
     choose_series,
     open_checkout,
     resolution_path,
@@ -309,7 +305,7 @@ def test_one_record_serves_the_commits_after_it(mlm, capsys):
     co, result, _ = _apply(m, c["d0"], repo, series_name=series)
     release = next(o for o in result.outcomes if o.patch == P_RELEASE)
     assert release.verdict == REPLAYED
-    assert release.note == f"recorded at {c[1][:12]}, which REF descends from"
+    assert release.note == f"recorded at {c[1][:12]} for the same conflict"
     branch = f"moe-release/{c['d0'][:12]}"
     assert _git(m, "show", f"{branch}:{TD}") + "\n" == resolved
     manifest = json.loads(_git(m, "show", f"{branch}:megatron/core/_moe_release_manifest.json"))
@@ -614,3 +610,4 @@ def test_on_the_mirror_each_pinned_commit_takes_its_own_series():
             pytest.fail(str(exc))
         assert result.choice.base.series == series and result.ok
         assert {o.verdict for o in result.outcomes} == {APPLIED}, co.describe(ref)
+

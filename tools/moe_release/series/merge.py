@@ -16,10 +16,11 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from moe_release.series.common import UserError
 from moe_release.series.git import git_env
+from moe_release.series.imports import merge_imports
 from moe_release.series.patches import FilePatch, Patch, apply_file_patch, parse_patch
 
 Files = dict[str, Optional[bytes]]
@@ -108,9 +109,17 @@ def has_markers(data: Optional[bytes]) -> bool:
 
 
 def merge_patch(
-    ours: Files, before: Files, after: Files, patch: Patch
+    ours: Files,
+    before: Files,
+    after: Files,
+    patch: Patch,
+    style: Optional[Callable[[str], str]] = None,
+    settled: Optional[list[str]] = None,
 ) -> tuple[Files, list[Conflict]]:
-    """Merge one primary patch (``before`` -> ``after``, the files it touches) onto ``ours``."""
+    """Merge one primary patch (``before`` -> ``after``, the files it touches) onto ``ours``.
+    With ``style`` (:func:`moe_release.series.imports.isort_style`), a file whose merge
+    conflicts in its import block has the block merged as a set (``imports.merge_imports``);
+    its path is appended to ``settled``."""
     merged: Files = {}
     conflicts: list[Conflict] = []
     for fp in patch.files:
@@ -132,6 +141,12 @@ def merge_patch(
                 conflicts.append(Conflict(path, 0, "deleted by the primary", [], [], absent=True))
         else:
             data, n = merge_file(o, b or b"", t)
+            if n and style is not None:
+                done = merge_imports(o, b or b"", t, merge_file, style)
+                if done is not None and done[1] < n:
+                    data, n = done
+                    if settled is not None:
+                        settled.append(path)
             merged[path] = data
             if n:
                 conflicts.extend(conflicts_in(path, data, fp))

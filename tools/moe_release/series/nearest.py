@@ -160,6 +160,17 @@ def check_clean(co: Checkout) -> None:
                         f"{status[0][3:]}); commit or stash them first")  # fmt: skip
 
 
+def renames(co: Checkout, anchor: str, ref: str, paths: set[str]) -> dict[str, str]:
+    """Files of the base at ``paths`` that REF has under another name (git's rename test)."""
+    text = co.out("diff", "-M", "--diff-filter=R", "--name-status", "-z", anchor, ref)
+    fields = text.split("\0")
+    out = {}
+    for i in range(0, len(fields) - 2, 3):
+        if fields[i].startswith("R") and fields[i + 1] in paths:
+            out[fields[i + 1]] = fields[i + 2]
+    return out
+
+
 # ----------------------------------------------------------------------------- the nearest series
 
 
@@ -188,7 +199,7 @@ def _line_kind(base: Base) -> str:
     return base.branch if base.branch in ("main", "dev") else "release"
 
 
-def _anchors(co: Checkout, root: Path) -> tuple[list[tuple[Base, str, str]], list[str]]:
+def anchors(co: Checkout, root: Path) -> tuple[list[tuple[Base, str, str]], list[str]]:
     """Per pinned base with a series: the commit standing for it in the checkout, and how;
     and the bases it has no commit for."""
     out, missing = [], []
@@ -231,15 +242,15 @@ def choose_series(
     if co.date(ref) < SERIES_START:
         raise UserError(f"{co.describe(ref)} is older than every series (the oldest line, "
                         f"core_r0.16.0, starts {SERIES_START}); use a newer commit")  # fmt: skip
-    anchors, missing = _anchors(co, root)
-    if not anchors:
+    found, missing = anchors(co, root)
+    if not found:
         raise UserError(f"{co.path}: holds none of the stored bases (main and dev commits, "
                         "release tags): git fetch origin --tags main dev")  # fmt: skip
-    main = next((a for b, a, _ in anchors if b.branch == "main" and b.is_commit), None)
+    main = next((a for b, a, _ in found if b.branch == "main" and b.is_commit), None)
     ref_fp = co.first_parents(ref)
     apart: dict[str, tuple[int, int]] = {}  # pin -> (REF's commits not in it, its not in REF)
     on_line = []
-    for base, anchor, _ in anchors:
+    for base, anchor, _ in found:
         own, ahead = co.count(f"{anchor}..{ref}"), co.count(f"{ref}..{anchor}")
         apart[base.name] = (own, ahead)
         if own and ahead:
@@ -253,7 +264,7 @@ def choose_series(
                 continue  # a main commit from before the line left main
         on_line.append((own + ahead, LINE_ORDER.index(_line_kind(base)), base, anchor, own))
     if not on_line:
-        lines = ", ".join(sorted({b.branch for b, _, _ in anchors}))
+        lines = ", ".join(sorted({b.branch for b, _, _ in found}))
         raise UserError(f"{co.describe(ref)} is on no known line (not on the first-parent "
                         f"history of {lines} from a stored base)")  # fmt: skip
     on_line.sort(key=lambda f: (f[0], f[1]))
@@ -263,11 +274,11 @@ def choose_series(
     where = f"is {_n(dist, 'commit')} ({_n(days, 'day')}) {when} it" if dist else "is REF"
     line = f"REF is on {lbase.branch} ({lbase.branch} {lanchor[:12]} {where})"
     paths = sorted({
-        fp.path for base, _, _ in anchors for n, d in read_series(base, root)
+        fp.path for base, _, _ in found for n, d in read_series(base, root)
         for fp in parse_patch(d, n).files
     })  # fmt: skip
     ranked = []
-    for base, anchor, how in anchors:
+    for base, anchor, how in found:
         stat = co.out("diff", "--numstat", anchor, ref, "--", *paths)
         lines = sum(
             int(f[0]) + int(f[1]) for f in (row.split() for row in stat.splitlines()) if f[0] != "-"

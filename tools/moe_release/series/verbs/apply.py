@@ -42,21 +42,31 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
+from moe_release.series.applying import (
+    APPLIED,
+    CONFLICT,
+    NOT_APPLICABLE,
+    REPLAYED,
+    VERDICTS,
+    Outcome,
+    Records,
+    merge_series,
+    replay,
+    replay_other,
+)
 from moe_release.series.checkout import APPLY_DIR, LABEL_SUBJECT, label_files
 from moe_release.series.common import REPO_ROOT, UserError, log
 from moe_release.series.git import COMMITTER_IDENT, FORMAT_PATCH_FLAGS, git, git_env
 from moe_release.series.hunkstate import files_series_states
+from moe_release.series.imports import isort_style
 from moe_release.series.merge import (
     MARK_OURS,
     MARK_THEIRS,
-    Conflict,
     Files,
     Resolution,
-    apply_with_offset,
     file_diff,
-    has_markers,
     merge_patch,
     parse_diff,
     series_states,
@@ -68,6 +78,7 @@ from moe_release.series.nearest import (
     choose_series,
     history,
     open_checkout,
+    renames,
 )
 from moe_release.series.patches import Patch, parse_patch, patch_author, patch_stem
 from moe_release.series.pins import Base, load_pins
@@ -76,30 +87,10 @@ from moe_release.series.source import read_base_files
 from moe_release.series.trees import PACKAGE_INFO, atomic_directory, check_target_dir, os_error
 
 BRANCH_PREFIX = "moe-release/"
-
-APPLIED, REPLAYED, LANDED, NOT_APPLICABLE, CONFLICT = (
-    "applied",
-    "applied, resolution replayed",
-    "landed",
-    "not applicable",
-    "conflict",
-)
+PYPROJECT = "pyproject.toml"  # where REF keeps its isort settings
 
 
 # ----------------------------------------------------------------------------- the merge
-
-
-@dataclasses.dataclass
-class Outcome:
-    """What happened to one patch of the series at REF."""
-
-    patch: str
-    verdict: str
-    note: str = ""
-    conflicts: list[Conflict] = dataclasses.field(default_factory=list)
-    resolution: Optional[Path] = None  # where a resolution for REF is (or would be) stored
-    replayed: Optional[str] = None  # the replayed resolution: its file name, or
-    # <commit12>/<file name> where it was recorded at an earlier commit
 
 
 @dataclasses.dataclass
@@ -115,17 +106,6 @@ class ApplyResult:
 def resolution_path(choice: Choice, ref: str, patch_name: str) -> Path:
     """Where a person's resolution of ``patch_name`` at commit ``ref`` is stored."""
     return choice.series_dir / APPLY_DIR / ref[:12] / f"{patch_stem(patch_name)}.diff"
-
-
-def _renames(co: Checkout, anchor: str, ref: str, paths: set[str]) -> dict[str, str]:
-    """Files of the base at ``paths`` that REF has under another name (git's rename test)."""
-    text = co.out("diff", "-M", "--diff-filter=R", "--name-status", "-z", anchor, ref)
-    fields = text.split("\0")
-    out = {}
-    for i in range(0, len(fields) - 2, 3):
-        if fields[i].startswith("R") and fields[i + 1] in paths:
-            out[fields[i + 1]] = fields[i + 2]
-    return out
 
 
 def _evidence(co: Checkout, ref: str, anchor: str, path: str) -> str:
@@ -185,10 +165,10 @@ class _Prepared:
 
     choice: Choice
     states: list[tuple[Patch, Files, Files]]  # per patch: it, its files before and after
-    stored: dict[str, bytes]  # the resolutions stored for REF, by file name
-    eras: list[tuple[str, dict[str, bytes]]]  # earlier commits' resolutions, nearest first
+    records: Records  # REF's resolutions and those recorded at other commits
     at_ref: Files  # REF's files, by their path at the base
     moved: dict[str, str]  # base path -> REF's path, for files renamed since the base
+    style: Optional[Callable[[str], str]] = None  # REF's isort, for import blocks
 
 
 def _prepare(
@@ -204,18 +184,35 @@ def _prepare(
     stored = _read_resolutions(adir, stems, base.series)
     eras = []
     for rdir in sorted(adir.parent.iterdir()) if adir.parent.is_dir() else []:
-        commit = co.has(rdir.name) if rdir.is_dir() and rdir != adir else None
-        if commit and commit != ref and co.is_ancestor(commit, ref):
-            records = _read_resolutions(rdir, stems, base.series)
-            eras.append((co.count(f"{commit}..{ref}"), rdir.name, records))
-    eras.sort(key=lambda e: e[:2])
+        if not rdir.is_dir() or rdir == adir:
+            continue
+        records = {p.name: p.read_bytes() for p in sorted(rdir.glob("*.diff"))
+                   if p.name[: -len(".diff")] in stems}  # fmt: skip
+        if records:
+            eras.append((*_record_distance(co, rdir.name, ref), rdir.name, records))
+    eras.sort(key=lambda e: e[:3])
     paths = {fp.path for p, _, _ in states for fp in p.files}
     for n, d in [*stored.items(), *(i for *_, r in eras for i in r.items())]:
         paths |= {fp.path for fp in parse_diff(Resolution.parse(d).diff, n)}
-    at_ref = co.files(ref, sorted(paths))
-    moved = _renames(co, choice.anchor, ref, {p for p in paths if at_ref.get(p) is None})
-    return _Prepared(choice, states, stored, [(c12, r) for _, c12, r in eras],
-                     _by_base_path(co, ref, paths, moved), moved)  # fmt: skip
+    at_ref = co.files(ref, sorted(paths | {PYPROJECT}))
+    style = isort_style(at_ref.pop(PYPROJECT))
+    moved = renames(co, choice.anchor, ref, {p for p in paths if at_ref.get(p) is None})
+    records = Records(stored, [(c12, r) for *_, c12, r in eras])
+    return _Prepared(choice, states, records, _by_base_path(co, ref, paths, moved), moved,
+                     style)  # fmt: skip
+
+
+def _record_distance(co: Checkout, c12: str, ref: str) -> tuple[int, int]:
+    """How near the commit a record was made at is to REF, for trying records in order: (0,
+    commits) for one REF descends from, (1, commits) for a later one, (2, 0) for one the
+    checkout does not have. A record serves any commit whose merge has the same conflict;
+    the commit is its provenance."""
+    commit = co.has(c12)
+    if commit is None:
+        return 2, 0
+    if co.is_ancestor(commit, ref):
+        return 0, co.count(f"{commit}..{ref}")
+    return 1, co.count(f"{ref}..{commit}")
 
 
 def _read_resolutions(rdir: Path, stems: set[str], series: str) -> dict[str, bytes]:
@@ -226,36 +223,6 @@ def _read_resolutions(rdir: Path, stems: set[str], series: str) -> dict[str, byt
     if stale:
         raise UserError(f"{rdir / stale[0]}: a resolution for no patch of {series}")
     return stored
-
-
-def _replay(result: Files, conflicts: list[Conflict], data: bytes, where: str) -> list[Conflict]:
-    """Replay the resolution ``data`` (stored at ``where``) on the merge ``result`` in place;
-    returns the conflicts it leaves unresolved (UserError: it does not apply)."""
-    res = Resolution.parse(data)
-    for fp in parse_diff(res.diff, where):
-        result[fp.path] = apply_with_offset(result.get(fp.path), fp, where)
-    unresolved = [c for c in conflicts if c.absent and c.path not in res.absent]
-    unresolved += [c for c in conflicts if not c.absent and has_markers(result.get(c.path))]
-    return unresolved
-
-
-def _era_replay(
-    prep: _Prepared, name: str, merged: Files, conflicts: list[Conflict]
-) -> Optional[tuple[str, Files]]:
-    """The merge ``merged`` (conflicting) with the resolution of patch file ``name`` recorded
-    at the nearest earlier commit that resolves every conflict: (``<commit12>/<name>``, the
-    files); None if no record does."""
-    for c12, records in prep.eras:
-        data = records.get(name)
-        if data is None:
-            continue
-        result = dict(merged)
-        try:
-            if not _replay(result, conflicts, data, f"{APPLY_DIR}/{c12}/{name}"):
-                return f"{c12}/{name}", result
-        except UserError:
-            continue
-    return None
 
 
 def _by_base_path(co: Checkout, rev: str, paths: set[str], moved: dict[str, str]) -> Files:
@@ -280,66 +247,27 @@ def apply_series(
     ``label``, a last commit makes ``pip install`` build ``<version>+moerelease...``
     (checkout.label_files)."""
     prep = _prepare(co, ref, mirror, root, series_name)
-    choice, states, at_ref, moved = prep.choice, prep.states, prep.at_ref, prep.moved
-    landed = files_series_states(at_ref, [p for p, _, _ in states])
-    ours: Files = dict(at_ref)
-    outcomes: list[Outcome] = []
+    choice, moved = prep.choice, prep.moved
+    where = str(choice.series_dir / APPLY_DIR)
+    steps = merge_series(prep.states, prep.at_ref, prep.records, prep.style, where)
+    outcomes = [s.outcome for s in steps]
     repo = _Scratch(scratch, co)
     head = ref
-    failed: dict[str, str] = {}  # file -> the patch that conflicted there
     replayed: dict[str, bytes] = {}  # the resolutions replayed (Outcome.replayed -> bytes)
-    for (patch, before, after), state in zip(states, landed, strict=True):
-        out = Outcome(patch.name, APPLIED, resolution=resolution_path(choice, ref, patch.name))
-        outcomes.append(out)
-        after_conflict = sorted({failed[fp.path] for fp in patch.files if fp.path in failed})
-        if state.verdict == "landed":
-            out.verdict, out.note = LANDED, state.counts()
-            continue
-        merged, conflicts = merge_patch(ours, before, after, patch)
-        result: Files = dict(ours)
-        result.update(merged)
-        res_data = prep.stored.get(out.resolution.name)
-        era = None if res_data is not None or not conflicts else _era_replay(
-            prep, out.resolution.name, result, conflicts)  # fmt: skip
-        if res_data is not None:
-            try:
-                unresolved = _replay(result, conflicts, res_data, str(out.resolution))
-            except UserError as exc:
-                out.verdict, out.note, out.conflicts = CONFLICT, str(exc), conflicts
-                failed.update({fp.path: patch.name for fp in patch.files})
-                continue
-            if unresolved:
-                out.verdict, out.conflicts = CONFLICT, unresolved
-                out.note = "the stored resolution does not resolve these"
-                failed.update({c.path: patch.name for c in unresolved})
-                continue
-            out.verdict, out.replayed = REPLAYED, out.resolution.name
-            replayed[out.replayed] = res_data
-        elif era is not None:
-            out.replayed, result = era
-            out.verdict = REPLAYED
-            c12, _, fname = out.replayed.partition("/")
-            replayed[out.replayed] = dict(prep.eras)[c12][fname]
-            out.note = f"recorded at {out.replayed.partition('/')[0]}, which REF descends from"
-        elif conflicts:
+    for (patch, _, _), step in zip(prep.states, steps, strict=True):
+        out = step.outcome
+        out.resolution = resolution_path(choice, ref, patch.name)
+        if out.replayed:
+            replayed[out.replayed] = prep.records.data(out.replayed)
+        if out.verdict == NOT_APPLICABLE:
             modified = [fp.path for fp in patch.files if not fp.new_file]
-            if modified and all(ours.get(p) is None for p in modified):
-                out.verdict = NOT_APPLICABLE
-                out.note = "; ".join(_evidence(co, ref, choice.anchor, p) for p in modified)
-            else:
-                out.verdict, out.conflicts = CONFLICT, conflicts
-                if after_conflict:
-                    out.note = f"after the conflict of {', '.join(after_conflict)}"
-                failed.update({c.path: patch.name for c in conflicts})
+            out.note = "; ".join(_evidence(co, ref, choice.anchor, p) for p in modified)
+        if not step.changed:
             continue
-        changed = {p: result.get(p) for p in result if result.get(p) != ours.get(p)}
-        if not changed:
-            out.verdict, out.note = LANDED, "nothing left to change"
-            continue
-        ours = result
-        head = repo.commit(head, {moved.get(p, p): d for p, d in changed.items()}, patch)
-        if moved.keys() & changed.keys():
-            out.note = ", ".join(f"{p} merged as {moved[p]}" for p in moved if p in changed)
+        head = repo.commit(head, {moved.get(p, p): d for p, d in step.changed.items()}, patch)
+        if moved.keys() & step.changed.keys():
+            renamed = ", ".join(f"{p} merged as {moved[p]}" for p in moved if p in step.changed)
+            out.note = f"{out.note}; {renamed}" if out.note else renamed
     ok = all(o.verdict != CONFLICT for o in outcomes)
     version = None
     if ok and head != ref and label:
@@ -433,9 +361,15 @@ def record_resolutions(
         k += 1
         result: Files = dict(ours)
         result.update(merged)
-        era = _era_replay(prep, path.name, result, conflicts) if conflicts else None
-        if era is not None and all(era[1].get(p) == done.get(p) for p in paths):
-            ours = done  # an earlier commit's record does it: nothing to store
+        where = str(choice.series_dir / APPLY_DIR)
+        other = None
+        if conflicts:
+            other = replay_other(prep.records, path.name, result, conflicts, where)
+        if other is None and conflicts and prep.style is not None:
+            settled_merge, left = merge_patch(ours, before, after, patch, prep.style, [])
+            other = None if left else ("", {**ours, **settled_merge})
+        if other is not None and all(other[1].get(p) == done.get(p) for p in paths):
+            ours = done  # another commit's record, or the import merge, does it: store nothing
             continue
         diff = b"".join(
             file_diff(p, result.get(p), done.get(p))
@@ -513,7 +447,7 @@ def report_lines(co: Checkout, result: ApplyResult) -> list[str]:
                 choice.root) else o.resolution  # fmt: skip
             out.append(f"      needs a stored resolution: {rel}")
     counts = {v: sum(o.verdict == v for o in result.outcomes)
-              for v in (APPLIED, REPLAYED, LANDED, NOT_APPLICABLE, CONFLICT)}  # fmt: skip
+              for v in VERDICTS}  # fmt: skip
     out.append(", ".join(f"{n} {v}" for v, n in counts.items() if n))
     return out
 
@@ -648,17 +582,21 @@ def run_resolve(
             result.update(merged)
             name = resolution_path(prep.choice, commit, patch.name).name
             if conflicts:
-                data, era = prep.stored.get(name), None
+                data, other = prep.records.own.get(name), None
                 if data is None:
-                    era = _era_replay(prep, name, result, conflicts)
+                    other = replay_other(prep.records, name, result, conflicts, name)
                 try:
-                    if era is not None:
-                        result, conflicts = era[1], []
-                    elif data is not None and not _replay(replayed := dict(result), conflicts,
-                                                          data, name):  # fmt: skip
+                    if other is not None:
+                        result, conflicts = other[1], []
+                    elif data is not None and not replay(replayed := dict(result), conflicts,
+                                                         data, name):  # fmt: skip
                         result, conflicts = replayed, []
                 except UserError:
                     pass
+            if conflicts and prep.style is not None:
+                settled, left = merge_patch(ours, before, after, patch, prep.style, [])
+                if len(left) < len(conflicts):  # fewer conflicts for the person to resolve
+                    result, conflicts = {**ours, **settled}, left
             changed = {p: d for p, d in result.items() if d != ours.get(p)}
             for path, data in changed.items():
                 dest = worktree / prep.moved.get(path, path)
