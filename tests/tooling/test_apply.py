@@ -90,6 +90,7 @@ DEV_TD = DISPATCHER
 for _i in range(3, 8):
     DEV_TD = DEV_TD.replace(f"return {_i}\n", f"return {_i}{_i}\n")
 RELEASE = "        self.routing_map = None\n        self.probs = None\n"
+CLONED = "= tokens.clone()  # the state is released below\n"
 P_STASH = "MoE-Let-the-paged-stash-import-without-Triton.patch"
 P_RELEASE = "MoE-Release-dispatcher-state-after-combine.patch"
 P_BUFFER = "MoE-Keep-one-buffer-per-process-group.patch"
@@ -171,8 +172,11 @@ def mlm(tmp_path, repo, monkeypatch):
 
     work = tmp_path / "work"
     _git(tmp_path, "clone", "--quiet", str(m), str(work))
+    # The patch rewrites the line main changed at c2 (so that the merge at c1 and d0, before
+    # c2, is a conflict a person resolves) and inserts the release below it.
     after_b = td_b.replace("return 1\n", "return 10\n").replace(
-        "        return output\n", RELEASE + "        return output\n")  # fmt: skip
+        "        return output\n", RELEASE + "        return output\n").replace(
+        "= tokens.clone()\n", CLONED)  # fmt: skip
     main_series = _series(work, c["B"], [
         ("[MoE] Let the paged stash import without Triton", {PS: STASH_CPU}),
         ("[MoE] Release dispatcher state after combine", {TD: after_b}),
@@ -234,7 +238,8 @@ def test_a_clean_apply_commits_each_patch_on_a_new_branch(mlm):
     assert all("Forwarded: no" in e and "Signed-off-by: Test" in e for e in log[1:] if e.strip())
     assert _git(m, "show", f"{branch}:{TD}") == (
         DISPATCHER.replace("tokens * 1", "tokens.clone()").replace("return 12", "return 120")
-        .replace("        return output\n", RELEASE + "        return output\n").rstrip("\n")
+        .replace("        return output\n", RELEASE + "        return output\n")
+        .replace("= tokens.clone()\n", CLONED).rstrip("\n")
     )  # fmt: skip
     after = _snapshot(m)
     assert after[1:] == before[1:]
@@ -251,7 +256,7 @@ def test_a_stored_resolution_is_replayed(mlm):
     before_td = _git(m, "show", f"{c['B']}:{TD}").encode() + b"\n"
     theirs = before_td.replace(
         b"        return output\n", RELEASE.encode() + b"        return output\n"
-    )
+    ).replace(b"= tokens.clone()\n", CLONED.encode())
     ours = DISPATCHER.encode()
     merged, n = merge_file(ours, before_td, theirs)
     assert n == 1
@@ -277,7 +282,7 @@ def _store_c1_resolution(m: Path, c: dict, repo: Path) -> tuple[Path, str]:
     before_td = _git(m, "show", f"{c['B']}:{TD}").encode() + b"\n"
     theirs = before_td.replace(
         b"        return output\n", RELEASE.encode() + b"        return output\n"
-    )
+    ).replace(b"= tokens.clone()\n", CLONED.encode())
     merged, n = merge_file(DISPATCHER.encode(), before_td, theirs)
     assert n == 1
     resolved = DISPATCHER.replace("        return output\n", RELEASE + "        return output\n")
@@ -356,7 +361,7 @@ def test_record_stores_what_a_person_resolved(mlm, capsys):
     assert f"written: patches/upstream/main/{stored[0]}" in out
     data = (sdir / stored[0]).read_bytes()
     assert data.startswith(b"# Resolution of " + P_RELEASE.encode() + b" at " + c[1].encode())
-    assert b"-<<<<<<< target\n" in data and b"-        output = tokens.clone()\n" in data
+    assert b"-<<<<<<< target\n" in data and b"-        output " + CLONED.encode() in data
     assert _snapshot(m) == before
     _, result, _ = _apply(m, c[1], repo)
     assert _verdicts(result) == {P_STASH: NOT_APPLICABLE, P_RELEASE: REPLAYED, P_BUFFER: APPLIED}
@@ -452,7 +457,7 @@ def test_a_conflict_is_reported_and_nothing_changes(mlm, capsys, monkeypatch):
     assert f"  {CONFLICT:30} {P_RELEASE}" in out
     assert re.search(rf"      {TD}:\d+ \(@@ -\d+,\d+ \+\d+,\d+ @@", out)
     assert "        REF:\n          |         output = tokens * 1\n" in out
-    assert "        series:\n          |         output = tokens.clone()\n" in out
+    assert "        series:\n          |         output " + CLONED in out
     assert (f"needs a stored resolution: patches/upstream/main/apply/{c[1][:12]}/"
             "MoE-Release-dispatcher-state-after-combine.diff") in out  # fmt: skip
     assert f"  {APPLIED:30} {P_BUFFER}" in out

@@ -8,7 +8,8 @@ applied; where it conflicts, in this order, the resolution stored for REF itself
 recorded at another commit that resolves every conflict of this merge (a record is the diff
 from the merge, conflict markers and both sides included, to what a person made of it: it
 applies only where the same conflict appears, whichever commit that is), and the import block
-merged as a set (:mod:`moe_release.series.imports`). What is left is a conflict, or ``not
+merged as a set (:mod:`moe_release.series.imports`) and deletions beside insertions
+(:mod:`moe_release.series.settle`). What is left is a conflict, or ``not
 applicable`` where no file the patch modifies exists at REF.
 
 Nothing here reads git: the caller gives the files, the records and REF's isort.
@@ -54,7 +55,7 @@ class Outcome:
     resolution: Optional[Path] = None  # where a resolution for REF is (or would be) stored
     replayed: Optional[str] = None  # the replayed resolution: its file name, or
     # <commit12>/<file name> where it was recorded at another commit
-    settled: list[str] = dataclasses.field(default_factory=list)  # import blocks merged
+    settled: list[str] = dataclasses.field(default_factory=list)  # what a tool settled
 
 
 @dataclasses.dataclass
@@ -141,8 +142,9 @@ def merge_series(
         other = None
         if own is None and conflicts:
             other = replay_other(records, name, result, conflicts, where)
-            if other is None and style is not None:
-                merged, conflicts = merge_patch(ours, before, after, patch, style, out.settled)
+            if other is None:
+                merged, conflicts = merge_patch(ours, before, after, patch, True, style,
+                                                out.settled)  # fmt: skip
                 result = {**ours, **merged}
         if own is not None:
             try:
@@ -172,7 +174,7 @@ def merge_series(
                 failed.update({c.path: patch.name for c in conflicts})
             continue
         elif out.settled:
-            out.note = f"import block merged as a set: {', '.join(out.settled)}"
+            out.note = "settled: " + "; ".join(out.settled)
         changed = {p: result.get(p) for p in result if result.get(p) != ours.get(p)}
         if not changed:
             out.verdict, out.note = LANDED, "nothing left to change"

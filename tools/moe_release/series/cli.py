@@ -384,8 +384,10 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     for line in apply_report_lines(co, result):
         print(line)
     if not result.ok:
-        print("CONFLICT: nothing written; the checkout is as it was. Resolve it as a stored "
-              "resolution (the path above), or apply at another --ref")  # fmt: skip
+        ref = f" --ref {result.ref[:12]}"
+        print(f"CONFLICT: nothing written; the checkout is as it was. To resolve it by hand: "
+              f"`moe_release.py apply {args.checkout}{ref} --resolve DIR` (a work tree for you, "
+              "then --record stores what you did), or apply at another --ref")  # fmt: skip
         return 1
     for line in done:
         print(line)

@@ -22,6 +22,7 @@ from moe_release.series.common import UserError
 from moe_release.series.git import git_env
 from moe_release.series.imports import merge_imports
 from moe_release.series.patches import FilePatch, Patch, apply_file_patch, parse_patch
+from moe_release.series.settle import settle_adjacent
 
 Files = dict[str, Optional[bytes]]
 
@@ -53,8 +54,9 @@ class Conflict:
         return f"{self.path}:{self.line} ({self.hunk or 'no primary hunk'})"
 
 
-def merge_file(ours: bytes, base: bytes, theirs: bytes) -> tuple[bytes, int]:
-    """``git merge-file``: (merged bytes with conflict markers, number of conflicts)."""
+def merge_file(ours: bytes, base: bytes, theirs: bytes, diff3: bool = False) -> tuple[bytes, int]:
+    """``git merge-file``: (merged bytes with conflict markers, number of conflicts); with
+    ``diff3`` each conflict also shows the base's lines (``||||||| base``)."""
     with tempfile.TemporaryDirectory(prefix="moe-port-") as tmp:
         paths = []
         for name, data in (("ours", ours), ("base", base), ("theirs", theirs)):
@@ -62,7 +64,8 @@ def merge_file(ours: bytes, base: bytes, theirs: bytes) -> tuple[bytes, int]:
             path.write_bytes(data)
             paths.append(str(path))
         done = subprocess.run(
-            ["git", "merge-file", "-p", "-L", OURS, "-L", "base", "-L", THEIRS, *paths],
+            ["git", "merge-file", "-p", *(["--diff3"] if diff3 else []), "-L", OURS, "-L",
+             "base", "-L", THEIRS, *paths],
             capture_output=True, env=git_env(),
         )  # fmt: skip
     if done.returncode < 0 or done.returncode > 127:
@@ -93,11 +96,15 @@ def conflicts_in(path: str, data: bytes, patch: FilePatch) -> list[Conflict]:
 
 
 def _hunk_of(patch: FilePatch, theirs: list[bytes]) -> str:
-    added = set(theirs)
+    """The patch's hunk whose added lines the conflict's series side holds most of (a blank
+    line or a lone bracket names no hunk); "" if none."""
+    added = {line for line in theirs if len(line.strip()) > 1}
+    best, header = 0, ""
     for hunk in patch.hunks:
-        if any(line[:1] == b"+" and line[1:] in added for line in hunk.lines):
-            return hunk.header
-    return ""
+        score = sum(1 for line in hunk.lines if line[:1] == b"+" and line[1:] in added)
+        if score > best:
+            best, header = score, hunk.header
+    return header
 
 
 def has_markers(data: Optional[bytes]) -> bool:
@@ -113,13 +120,14 @@ def merge_patch(
     before: Files,
     after: Files,
     patch: Patch,
+    settle: bool = False,
     style: Optional[Callable[[str], str]] = None,
     settled: Optional[list[str]] = None,
 ) -> tuple[Files, list[Conflict]]:
     """Merge one primary patch (``before`` -> ``after``, the files it touches) onto ``ours``.
-    With ``style`` (:func:`moe_release.series.imports.isort_style`), a file whose merge
-    conflicts in its import block has the block merged as a set (``imports.merge_imports``);
-    its path is appended to ``settled``."""
+    With ``settle``, a file whose merge conflicts has what a tool can settle settled
+    (:func:`settle_file`; ``style`` is REF's isort for import blocks), each in words appended
+    to ``settled``."""
     merged: Files = {}
     conflicts: list[Conflict] = []
     for fp in patch.files:
@@ -141,16 +149,42 @@ def merge_patch(
                 conflicts.append(Conflict(path, 0, "deleted by the primary", [], [], absent=True))
         else:
             data, n = merge_file(o, b or b"", t)
-            if n and style is not None:
-                done = merge_imports(o, b or b"", t, merge_file, style)
-                if done is not None and done[1] < n:
-                    data, n = done
-                    if settled is not None:
-                        settled.append(path)
+            if n and settle:
+                data, n, how = settle_file(o, b or b"", t, data, n, style)
+                if how and settled is not None:
+                    settled.append(f"{path}: {how}")
             merged[path] = data
             if n:
                 conflicts.extend(conflicts_in(path, data, fp))
     return merged, conflicts
+
+
+def _adjacent(ours: bytes, base: bytes, theirs: bytes) -> tuple[bytes, int]:
+    return settle_adjacent(merge_file(ours, base, theirs, diff3=True)[0])
+
+
+def settle_file(
+    ours: bytes,
+    base: bytes,
+    theirs: bytes,
+    data: bytes,
+    n: int,
+    style: Optional[Callable[[str], str]] = None,
+) -> tuple[bytes, int, str]:
+    """The merge ``data`` (``n`` conflicts) with fewer conflicts where a tool can settle them:
+    a deletion beside an insertion (:mod:`moe_release.series.settle`), then the import block
+    as a set (:mod:`moe_release.series.imports`, with REF's isort ``style``). Returns (bytes,
+    conflicts left, what was settled in words; "" if nothing)."""
+    how = ""
+    done, left = _adjacent(ours, base, theirs)
+    if left < n:
+        data, n, how = done, left, "changes side by side, both applied"
+    if n and style is not None:
+        imported = merge_imports(ours, base, theirs, _adjacent, style)
+        if imported is not None and imported[1] < n:
+            data, n = imported
+            how = "import block merged as a set" + (f"; {how}" if how else "")
+    return data, n, how
 
 
 # ----------------------------------------------------------------------------- resolutions

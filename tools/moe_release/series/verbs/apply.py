@@ -365,8 +365,8 @@ def record_resolutions(
         other = None
         if conflicts:
             other = replay_other(prep.records, path.name, result, conflicts, where)
-        if other is None and conflicts and prep.style is not None:
-            settled_merge, left = merge_patch(ours, before, after, patch, prep.style, [])
+        if other is None and conflicts:
+            settled_merge, left = merge_patch(ours, before, after, patch, True, prep.style)
             other = None if left else ("", {**ours, **settled_merge})
         if other is not None and all(other[1].get(p) == done.get(p) for p in paths):
             ours = done  # another commit's record, or the import merge, does it: store nothing
@@ -593,8 +593,8 @@ def run_resolve(
                         result, conflicts = replayed, []
                 except UserError:
                     pass
-            if conflicts and prep.style is not None:
-                settled, left = merge_patch(ours, before, after, patch, prep.style, [])
+            if conflicts:
+                settled, left = merge_patch(ours, before, after, patch, True, prep.style)
                 if len(left) < len(conflicts):  # fewer conflicts for the person to resolve
                     result, conflicts = {**ours, **settled}, left
             changed = {p: d for p, d in result.items() if d != ours.get(p)}
