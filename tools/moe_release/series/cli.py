@@ -15,6 +15,7 @@ Verbs:
   upstream     export the series for NVIDIA/Megatron-LM (git am-able, DCO-signed)
   port         carry the primary series onto the backport and upstream variant series (3-way)
   apply        carry the nearest series onto a Megatron-LM checkout at any commit (3-way)
+  sweep        apply --dry-run on every first-parent commit of main and dev, and a summary
   matrix       the compatibility matrix: base x dispatcher x release tests at the last run
 
 The logic is pure functions over bytes (parse_series, parse_patch, apply_file_patch, ...); the
@@ -40,6 +41,7 @@ from moe_release.series.checkout import (
 )
 from moe_release.series.common import UserError, log
 from moe_release.series.git import create_edit_repo, export_series
+from moe_release.series.nearest import SERIES_START
 from moe_release.series.patches import overlay_label, parse_patch
 from moe_release.series.pins import load_pins
 from moe_release.series.repo import overlay_files, read_series
@@ -71,6 +73,8 @@ from moe_release.series.verbs.matrix import (
     update_file,
 )
 from moe_release.series.verbs.port import all_target_names, port_all, report_lines
+from moe_release.series.verbs.sweep import LINES as SWEEP_LINES
+from moe_release.series.verbs.sweep import markdown, summary_lines, sweep
 from moe_release.series.verbs.upstream import (
     PREREQUISITES_DIR,
     apply_command,
@@ -394,6 +398,34 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    co = open_checkout(Path(args.checkout))
+    lines = tuple(args.line or SWEEP_LINES)
+    rows, facts = sweep(co, lines, args.since, args.until, args.every,
+                        Path(args.mirror) if args.mirror else None,
+                        progress=lambda m: log(m))  # fmt: skip
+    if not args.quiet:
+        for r in rows:
+            print(f"{r.line:4} {r.date} {r.commit[:12]} {r.series:14} {r.codes}"
+                  + (f"  {r.conflict}" if r.conflict else ""))  # fmt: skip
+    for line in summary_lines(rows, facts):
+        print(line)
+    if args.write:
+        command = "moe_release.py sweep CHECKOUT " + " ".join(
+            f"--{k} {v}" for k, v in (("since", args.since), ("until", args.until),
+                                      ("every", args.every)) if v not in (None, 1))  # fmt: skip
+        out = Path(args.write)
+        tmp = out.with_name(f".{out.name}.tmp")
+        try:
+            tmp.write_text(markdown(rows, facts, command.strip()))
+            os.replace(tmp, out)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise UserError(f"--write {out}: {exc.strerror or exc}") from None
+        print(f"written: {args.write}")
+    return 0 if all(r.whole for r in rows) else 1
+
+
 def _cmd_matrix(args: argparse.Namespace) -> int:
     if args.record:
         if not args.junit:
@@ -595,6 +627,26 @@ def build_parser() -> argparse.ArgumentParser:
         "CHECKOUT that has not fetched the stored bases (default: $MOE_RELEASE_MEGATRON_LM)",
     )
     p.set_defaults(func=_cmd_apply)
+    p = sub.add_parser(
+        "sweep",
+        help="apply --dry-run on every first-parent commit of main and dev since a date",
+        description="Choose and merge the series as apply --dry-run does on every first-parent "
+        "commit of main and dev since --since (every Nth with --every), with no work tree: per "
+        "commit the series and each patch's verdict, then per line how many take the whole "
+        "series with no person and the conflicts grouped by hunk. Exit status 1 if a commit "
+        "conflicts, 2 on bad input.",
+    )
+    p.add_argument("checkout", metavar="CHECKOUT", help="a Megatron-LM clone or mirror")
+    p.add_argument("--since", default=str(SERIES_START), help="first date (default %(default)s)")
+    p.add_argument("--until", help="last date (default: the line's head)")
+    p.add_argument("--line", action="append", choices=SWEEP_LINES,
+                   help="main or dev (repeatable; default both)")  # fmt: skip
+    p.add_argument("--every", type=int, default=1, help="keep every Nth commit (default 1)")
+    p.add_argument("--mirror", metavar="CHECKOUT",
+                   help="a Megatron-LM mirror to read the stored bases from")  # fmt: skip
+    p.add_argument("--write", metavar="FILE", help="write the table of every commit (markdown)")
+    p.add_argument("--quiet", action="store_true", help="print the summary only")
+    p.set_defaults(func=_cmd_sweep)
     p = sub.add_parser(
         "matrix",
         help="print the compatibility matrix (base x dispatcher x release tests, last run)",
