@@ -403,7 +403,15 @@ def test_resolve_leaves_each_conflict_in_a_work_tree_for_a_person(mlm, tmp_path,
     assert f"work tree {wt} on new branch {branch} at {c[1][:12]}" in out
     assert f"CONFLICT in {P_RELEASE}:" in out and f"  {TD}:" in out
     text = (wt / TD).read_text()
-    assert has_markers(text.encode()) and "        self.probs = None\n" in text
+    assert "        self.probs = None\n" in text
+    # diff3 markers: REF's side, the series' base, the series' side, each named.
+    assert f"<<<<<<< REF {c[1][:12]}\n        output = tokens * 1\n" in text
+    assert (
+        f"||||||| the series' base (main-{c['B'][:7]})\n        output = tokens.clone()\n" in text
+    )
+    assert (
+        f"=======\n        output {CLONED}" in text and f">>>>>>> the series ({P_RELEASE})" in text
+    )
     msg = Path(re.search(r"commit -a -F (\S+)`", out).group(1))
     assert msg.read_text().startswith("[MoE] Release dispatcher state after combine\n\nBody.")
     assert _git(m, "rev-list", "--count", f"{c[1]}..{branch}") == "0"  # the stash: n/a at c1
@@ -597,6 +605,29 @@ def test_bad_input_is_one_line_exit_2_nothing_changed(mlm, tmp_path, capsys, cas
     assert want in err, err
     if before is not None:
         assert _snapshot(m) == before
+
+
+def test_a_user_finds_the_way(mlm, tmp_path, capsys):
+    """A dirty work tree does not block --dry-run (nothing is written); a git repository that
+    is not Megatron-LM is told so, not to fetch; a typo of a verb or a flag is answered with
+    the closest known one."""
+    m, c, repo = mlm
+    (m / FA).write_text("changed\n")
+    _, result, done = _apply(m, c[4], repo, dry_run=True)
+    assert result.ok and done == ["(dry run: nothing written)"]
+    other = tmp_path / "other"
+    other.mkdir()
+    _git(other, "init", "--quiet")
+    _commit(other, "2026-06-01T12:00:00+00:00", "x", {"megatron/core/__init__.py": ""})
+    assert cli.main(["apply", str(other), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "is not a Megatron-LM commit (no megatron/core/package_info.py)" in err, err
+    assert "fetch" not in err
+    for argv, hint in ((["aply", str(m)], "did you mean apply?"),
+                       (["apply", str(m), "--dryrun"], "did you mean --dry-run?")):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        assert exit_.value.code == 2 and hint in capsys.readouterr().err
 
 
 def test_apply_help():

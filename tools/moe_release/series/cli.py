@@ -25,13 +25,15 @@ verbs are thin I/O around them so tests call both.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
+import re
 import shlex
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 from moe_release import settings
 from moe_release.series.checkout import (
@@ -453,9 +455,32 @@ def _cmd_matrix(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose error for an unknown verb or flag names the closest known one."""
+
+    def error(self, message: str) -> NoReturn:
+        word, known = None, []
+        choice = re.search(r"invalid choice: '([^']*)'", message)
+        if choice:
+            word, known = choice.group(1), [str(c) for c in self._subparser_choices()]
+        extra = re.search(r"unrecognized arguments: (\S+)", message)
+        if extra:
+            word = extra.group(1).split("=")[0]
+            known = [o for p in (self, *self._subparser_choices().values())
+                     for a in p._actions for o in a.option_strings]  # fmt: skip
+        near = difflib.get_close_matches(word, known, n=1, cutoff=0.6) if word else []
+        super().error(message + (f"; did you mean {near[0]}?" if near else ""))
+
+    def _subparser_choices(self) -> dict:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return dict(action.choices)
+        return {}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
-    parser = argparse.ArgumentParser(prog="moe_release.py", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="moe_release.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     def verb(name: str, help: str) -> argparse.ArgumentParser:

@@ -54,9 +54,16 @@ class Conflict:
         return f"{self.path}:{self.line} ({self.hunk or 'no primary hunk'})"
 
 
-def merge_file(ours: bytes, base: bytes, theirs: bytes, diff3: bool = False) -> tuple[bytes, int]:
+def merge_file(
+    ours: bytes,
+    base: bytes,
+    theirs: bytes,
+    diff3: bool = False,
+    labels: tuple[str, str, str] = (OURS, "base", THEIRS),
+) -> tuple[bytes, int]:
     """``git merge-file``: (merged bytes with conflict markers, number of conflicts); with
-    ``diff3`` each conflict also shows the base's lines (``||||||| base``)."""
+    ``diff3`` each conflict also shows the base's lines (``||||||| base``). ``labels`` name
+    the sides on the markers (records are made against the default ones)."""
     with tempfile.TemporaryDirectory(prefix="moe-port-") as tmp:
         paths = []
         for name, data in (("ours", ours), ("base", base), ("theirs", theirs)):
@@ -64,8 +71,8 @@ def merge_file(ours: bytes, base: bytes, theirs: bytes, diff3: bool = False) -> 
             path.write_bytes(data)
             paths.append(str(path))
         done = subprocess.run(
-            ["git", "merge-file", "-p", *(["--diff3"] if diff3 else []), "-L", OURS, "-L",
-             "base", "-L", THEIRS, *paths],
+            ["git", "merge-file", "-p", *(["--diff3"] if diff3 else []), "-L", labels[0], "-L",
+             labels[1], "-L", labels[2], *paths],
             capture_output=True, env=git_env(),
         )  # fmt: skip
     if done.returncode < 0 or done.returncode > 127:
@@ -185,6 +192,30 @@ def settle_file(
             data, n = imported
             how = "import block merged as a set" + (f"; {how}" if how else "")
     return data, n, how
+
+
+def merge_for_person(
+    ours: bytes,
+    base: bytes,
+    theirs: bytes,
+    labels: tuple[str, str, str],
+    style: Optional[Callable[[str], str]] = None,
+) -> bytes:
+    """What ``apply --resolve`` leaves for a person: the merge with what a tool settles settled
+    and each other conflict in diff3 style, the base's lines between REF's and the series' (so
+    that the patch's own change shows as the difference from the base), the sides named by
+    ``labels``."""
+
+    def view(o: bytes, b: bytes, t: bytes) -> tuple[bytes, int]:
+        merged = merge_file(o, b, t, diff3=True, labels=labels)[0]
+        return settle_adjacent(merged, keep_base=True)
+
+    data, n = view(ours, base, theirs)
+    if n and style is not None:
+        imported = merge_imports(ours, base, theirs, view, style)
+        if imported is not None and imported[1] < n:
+            data = imported[0]
+    return data
 
 
 # ----------------------------------------------------------------------------- resolutions

@@ -117,9 +117,10 @@ def settle_region(ours: list[bytes], base: list[bytes], theirs: list[bytes]) -> 
     return out
 
 
-def settle_adjacent(merged: bytes) -> tuple[bytes, int]:
+def settle_adjacent(merged: bytes, keep_base: bool = False) -> tuple[bytes, int]:
     """A ``--diff3`` merge with each region :func:`settle_region` settles merged, the others
-    written with two-way markers; and the number of conflicts left."""
+    written with two-way markers (with ``keep_base``, as they were: diff3 markers); and the
+    number of conflicts left."""
     lines = merged.splitlines(keepends=True)
     out: list[bytes] = []
     left, i = 0, 0
@@ -128,12 +129,12 @@ def settle_adjacent(merged: bytes) -> tuple[bytes, int]:
             out.append(lines[i])
             i += 1
             continue
-        head = lines[i]
+        head, base_head = lines[i], BASE_MARK + b"base\n"
         sides: list[list[bytes]] = [[], [], []]
         part, i = 0, i + 1
         while i < len(lines) and not lines[i].startswith(THEIRS_MARK):
             if lines[i].startswith(BASE_MARK) and part == 0:
-                part = 1
+                part, base_head = 1, lines[i]
             elif lines[i].rstrip(b"\n") == SEP_MARK and part in (0, 1):
                 part = 2
             else:
@@ -147,5 +148,6 @@ def settle_adjacent(merged: bytes) -> tuple[bytes, int]:
             out.extend(settled)
         else:
             left += 1
-            out += [head, *ours, SEP_MARK + b"\n", *theirs, tail]
+            middle = [base_head, *base] if keep_base else []
+            out += [head, *ours, *middle, SEP_MARK + b"\n", *theirs, tail]
     return b"".join(out), left

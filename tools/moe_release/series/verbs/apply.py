@@ -67,6 +67,7 @@ from moe_release.series.merge import (
     Files,
     Resolution,
     file_diff,
+    merge_for_person,
     merge_patch,
     parse_diff,
     series_states,
@@ -176,7 +177,7 @@ def _prepare(
 ) -> _Prepared:
     choice = choose_series(co, ref, root, series_name)
     base = choice.base
-    log(f"{co.describe(ref)}: nearest series {base.series} ({choice.why})")
+    log(f"{co.describe(ref)}: series {base.series}")
     source = co.path if base.is_commit and co.has(base.commit) else mirror
     states = series_states(read_base_files(base, source), read_series(base, root))
     adir = choice.series_dir / APPLY_DIR / ref[:12]
@@ -480,8 +481,9 @@ def _megatron_commit(co: Checkout, rev: str) -> str:
     commit = co.has(rev)
     if commit is None:
         raise UserError(f"{co.path}: unknown ref {rev!r}")
-    if co.run("cat-file", "-e", f"{commit}:megatron/core").returncode != 0:
-        raise UserError(f"{co.path}: {rev} is not a Megatron-LM commit (no megatron/core)")
+    if co.run("cat-file", "-e", f"{commit}:{PACKAGE_INFO}").returncode != 0:
+        raise UserError(f"{co.path}: {rev} is not a Megatron-LM commit (no {PACKAGE_INFO}); "
+                        "give a Megatron-LM clone")  # fmt: skip
     return commit
 
 
@@ -597,6 +599,11 @@ def run_resolve(
                 settled, left = merge_patch(ours, before, after, patch, True, prep.style)
                 if len(left) < len(conflicts):  # fewer conflicts for the person to resolve
                     result, conflicts = {**ours, **settled}, left
+            labels = (f"REF {commit[:12]}", f"the series' base ({prep.choice.base.name})",
+                      f"the series ({patch.name})")  # fmt: skip
+            for path in {c.path for c in conflicts if not c.absent}:
+                sides = (ours[path] or b"", before.get(path) or b"", after.get(path) or b"")
+                result[path] = merge_for_person(*sides, labels, prep.style)
             changed = {p: d for p, d in result.items() if d != ours.get(p)}
             for path, data in changed.items():
                 dest = worktree / prep.moved.get(path, path)
@@ -652,7 +659,8 @@ def run_apply(
     co = open_checkout(checkout)
     rev = ref or "HEAD"
     commit = _megatron_commit(co, rev)
-    check_clean(co)
+    if not dry_run and out_dir is None:
+        check_clean(co)  # the new branch is a ref of this checkout; --dry-run and --out read it
     if out_dir is not None and branch is not None:
         raise UserError("--out and --branch exclude each other (--out writes files, no branch)")
     if out_dir is not None and not dry_run:
