@@ -466,6 +466,19 @@ def test_verify_detects_replaced_files(tmp_path, repo):
     ]
 
 
+def test_verify_reads_the_base_from_the_installed_manifest(tmp_path, repo):
+    """After `MOE_RELEASE_BASE=0.17.0 pip install .`, a plain verify checks the install against
+    0.17.0's series, read from the manifest the wheel carries (not the primary's)."""
+    from moe_release.series.cli import _installed_pin
+
+    site = tmp_path / "site"
+    tree = materialize(site, "0.17.0", root=repo)
+    manifest = json.loads((site / MANIFEST_PATH).read_text())
+    assert _installed_pin(manifest) == "0.17.0"
+    assert verify_installed(site / "megatron" / "core", tree.version, tree) == []
+    assert _installed_pin(None) is None and _installed_pin({"base": {"sha256": "0" * 64}}) is None
+
+
 # ----------------------------------------------------------------------------- CLI
 
 
@@ -489,7 +502,7 @@ def cli(*args: str, cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "verb",
     ["fetch", "materialize", "edit", "export", "check", "verify", "trees", "label", "landed",
-     "upstream", "port"],
+     "upstream", "port", "apply", "sweep", "matrix"],
 )  # fmt: skip
 def test_every_verb_has_help(verb):
     result = cli(verb, "--help")

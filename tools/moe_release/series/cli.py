@@ -180,7 +180,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     manifest = _installed_manifest(core_dir)
     if args.base is None and manifest is not None and is_checkout_manifest(manifest):
         return _verify_checkout(core_dir, dist_version, manifest)
-    tree = load_tree(args.base)
+    base = args.base if args.base is not None else _installed_pin(manifest)
+    tree = load_tree(base)
     problems = verify_installed(core_dir, dist_version, tree)
     if problems:
         print(
@@ -189,10 +190,22 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         )
         for problem in problems:
             print(f"  {problem}")
+        print(f"  to fix: reinstall it from this repository (`MOE_RELEASE_BASE={tree.base.name} "
+              "pip install .`), or name the base it was built on with --base")  # fmt: skip
         return 1
     n = len(json.loads(tree.files[MANIFEST_PATH])["files"])
     print(f"OK: megatron-core {dist_version} at {core_dir} matches the series ({n} files hashed)")
     return 0
+
+
+def _installed_pin(manifest: Optional[dict]) -> Optional[str]:
+    """The pinned base an installed wheel's manifest names (its sdist's sha256); None (the
+    primary) if there is no manifest or it names no pinned base."""
+    sha = ((manifest or {}).get("base") or {}).get("sha256")
+    for base in load_pins().bases.values():
+        if sha and not base.is_commit and base.sha256 == sha:
+            return base.name
+    return None
 
 
 def _installed_manifest(core_dir: Path) -> Optional[dict]:
