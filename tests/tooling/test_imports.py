@@ -22,8 +22,9 @@ BODY = b"\n\ndef f():\n    return Optional, internal_api\n"
 
 @pytest.fixture
 def style():
-    pytest.importorskip("isort")  # requirements-dev.txt pins upstream's 5.13.2
-    return imports.isort_style(PYPROJECT)
+    style = imports.isort_style(PYPROJECT)
+    assert style is not None, "isort is missing: requirements-dev.txt pins upstream's 5.13.2"
+    return style
 
 
 def _merge(ours: bytes, base: bytes, theirs: bytes, style):
