@@ -742,3 +742,39 @@ def test_on_the_mirror_the_sweep_is_applys_verdict():
         _, result, _ = run_apply(mirror, r.commit, dry_run=True)
         assert (r.series, r.codes) == (result.choice.base.name, _codes(result)), r
         assert r.whole, r
+
+
+def test_a_clean_merge_that_fails_a_probe_stops_and_resolve_says_what_to_fix(mlm, tmp_path, capsys):
+    """At c7 main imports Triton through a new ops module, at the end of the paged stash, far
+    from the `import triton` the series guards: the merge is clean but the stash still needs
+    Triton (series.probes). No other series has a stash patch, so apply stops with the probe's
+    line and writes nothing; --resolve commits every patch and then names what is left to fix,
+    and once the person has fixed it, says to --record the branch."""
+    m, c, repo = mlm
+    ops = "megatron/core/transformer/moe/ops/paged_stash.py"
+    tail = (
+        "\n\nX = 1\nY = 2\nZ = 3\n\nfrom megatron.core.transformer.moe.ops.paged_stash import K\n"
+    )
+    c7 = _commit(m, "2026-07-20T12:00:00+00:00", "stash kernels in ops (#8)",
+                 {PS: STASH + tail, ops: "import triton\n\nK = 1\n"})  # fmt: skip
+    before = _snapshot(m)
+    assert cli.main(["apply", str(m), "--ref", c7]) == 1
+    out = capsys.readouterr().out
+    assert f"{P_STASH} (merged cleanly, but {PS}:13 imports megatron.core.transformer.moe.ops." \
+           f"paged_stash outside a try, and {ops} imports triton)" in out  # fmt: skip
+    assert "no stored series has a patch that merges right here" in out
+    assert _snapshot(m) == before
+    wt = tmp_path / "resolve"
+    assert cli.main(["apply", str(m), "--ref", c7, "--resolve", str(wt)]) == 1
+    out = capsys.readouterr().out
+    assert f"committed {P_STASH}" in out
+    assert f"the result merges, but {PS}:13 imports" in out and "(cpu-import/triton)" in out
+    assert f"fix that in {wt} and commit it" in out
+    fixed = (wt / PS).read_text().replace(
+        "from megatron.core.transformer.moe.ops.paged_stash import K\n",
+        "try:\n    from megatron.core.transformer.moe.ops.paged_stash import K\n"
+        "except ImportError:\n    K = None\n")  # fmt: skip
+    (wt / PS).write_text(fixed)
+    _git(wt, "commit", "--quiet", "-a", "-m", "guard the ops import")
+    assert cli.main(["apply", str(m), "--ref", c7, "--resolve", str(wt)]) == 0
+    assert f"--record moe-release/{c7[:12]}-resolve" in capsys.readouterr().out

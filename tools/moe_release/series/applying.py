@@ -10,7 +10,12 @@ from the merge, conflict markers and both sides included, to what a person made 
 applies only where the same conflict appears, whichever commit that is), and the import block
 merged as a set (:mod:`moe_release.series.imports`) and deletions beside insertions
 (:mod:`moe_release.series.settle`). What is left is a conflict, or ``not
-applicable`` where no file the patch modifies exists at REF.
+applicable`` where no file the patch modifies exists at REF. A whole series whose result
+fails a probe (:mod:`moe_release.series.probes`: a clean merge that is still wrong) is a
+conflict of the patch that last changed the probed file; :func:`merge_right` then takes the
+probe's patch from the next nearest series that has one (in its place, or where the primary
+series has it when the chosen series carries no such patch) while that makes the merge whole
+and the probe pass.
 
 Nothing here reads git: the caller gives the files, the records and REF's isort.
 """
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from moe_release.series.common import UserError
 from moe_release.series.hunkstate import files_series_states
@@ -33,6 +38,7 @@ from moe_release.series.merge import (
     parse_diff,
 )
 from moe_release.series.patches import Patch, patch_stem
+from moe_release.series.probes import failures
 
 APPLIED, REPLAYED, LANDED, NOT_APPLICABLE, CONFLICT = (
     "applied",
@@ -56,6 +62,9 @@ class Outcome:
     replayed: Optional[str] = None  # the replayed resolution: its file name, or
     # <commit12>/<file name> where it was recorded at another commit
     settled: list[str] = dataclasses.field(default_factory=list)  # what a tool settled
+    probe: str = ""  # a probe the whole series' result fails: "<topic>/<name>: what is wrong"
+    probe_patch: str = ""  # the primary patch that keeps that probe's promise
+    borrowed: str = ""  # the series this patch was taken from, when not the chosen one
 
 
 @dataclasses.dataclass
@@ -121,9 +130,13 @@ def merge_series(
     records: Records,
     style: Optional[Callable[[str], str]] = None,
     where: str = "apply",
+    probe_files: Optional[Files] = None,
 ) -> list[Step]:
     """Merge each patch of ``states`` (patch, its files before and after) in turn onto
-    ``at_ref`` (REF's files, by their path at the base); the module docstring says how."""
+    ``at_ref`` (REF's files, by their path at the base); the module docstring says how. With
+    ``probe_files`` (REF's files the probes read), a whole series is probed."""
+    if probe_files is not None:  # the probes' files too: a borrowed patch may change them
+        at_ref = {**{p: d for p, d in probe_files.items() if p not in at_ref}, **at_ref}
     landed = files_series_states(at_ref, [p for p, _, _ in states])
     ours: Files = dict(at_ref)
     steps: list[Step] = []
@@ -181,4 +194,67 @@ def merge_series(
             continue
         steps[-1].changed = changed
         ours = result
+    if probe_files is not None and all(s.outcome.verdict != CONFLICT for s in steps):
+        for probe, msg in failures({**probe_files, **ours}):
+            touched = [s for s in steps if set(s.changed) & set(probe.paths)] or steps
+            out = touched[-1].outcome
+            if out.probe:
+                continue
+            out.verdict, out.probe = CONFLICT, f"{probe.topic}/{probe.name}: {msg}"
+            out.probe_patch = probe.patch
+            out.note = f"merged cleanly, but {msg}"
     return steps
+
+
+State = tuple[Patch, Files, Files]
+
+
+def primary_name(patch: Patch) -> str:
+    """The primary series' patch ``patch`` is (its ``Backport-Of:`` trailer, or its name)."""
+    return (patch.trailers.get("Backport-Of") or [patch.name])[0]
+
+
+def merge_right(
+    states: list[State],
+    others: list[tuple[str, list[State]]],
+    merge: Callable[[list[State]], list[Step]],
+    primary: Sequence[str],
+) -> tuple[list[State], list[Step]]:
+    """``states`` merged by ``merge``; while the result fails a probe, the probe's patch taken
+    from the first of ``others`` (series name, its states; nearest first) with which the merge
+    is whole and that probe passes, in the place of the series' own or, where it has none, in
+    the primary series' order (``primary``). Returns the states merged and their steps (each
+    borrowed patch's outcome names its series)."""
+    steps = merge(states)
+    tried: set[str] = set()
+    while True:
+        failing = next((s.outcome for s in steps if s.outcome.probe), None)
+        if failing is None or failing.probe_patch in tried:
+            return states, steps
+        target = failing.probe_patch
+        tried.add(target)
+        names = [primary_name(p) for p, _, _ in states]
+        rank = {n: i for i, n in enumerate(primary)}
+        for series, alt in others:
+            taken = [st for st in alt if primary_name(st[0]) == target]
+            if not taken:
+                continue
+            if target in names:
+                i = names.index(target)
+                trial = [*states[:i], *taken, *states[i + 1 :]]
+            else:
+                i = next((k for k, n in enumerate(names)
+                          if rank.get(n, len(rank)) > rank.get(target, len(rank))),
+                         len(names))  # fmt: skip
+                trial = [*states[:i], *taken, *states[i:]]
+            got = merge(trial)
+            if any(s.outcome.verdict == CONFLICT and not s.outcome.probe for s in got) or any(
+                s.outcome.probe_patch == target for s in got
+            ):
+                continue
+            for (patch, _, _), step in zip(trial, got, strict=True):
+                if any(patch is t[0] for t in taken):
+                    step.outcome.borrowed = series
+                    step.outcome.note = f"from the {series} series; without it, {failing.probe}"
+            states, steps = trial, got
+            break

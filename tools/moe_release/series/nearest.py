@@ -185,6 +185,7 @@ class Choice:
     candidates: list[str]  # the other stored bases, nearest first, with their distances
     missing: list[str]  # the stored bases the checkout has no commit for
     root: Path = REPO_ROOT
+    order: tuple[str, ...] = ()  # every stored base's name, nearest first
 
     @property
     def series_dir(self) -> Path:
@@ -299,4 +300,5 @@ def choose_series(
     if total:
         why += f" (merge-base {co.out('merge-base', ref, anchor)[:12]})"
     others = [f"{b.name} ({n} lines, {t} commits)" for n, t, b, *_ in ranked[1:]]
-    return Choice(base, lbase.branch, anchor, why, others, missing, root)
+    order = tuple(r[2].name for r in ranked)
+    return Choice(base, lbase.branch, anchor, why, others, missing, root, order)

@@ -52,6 +52,8 @@ from moe_release.series.applying import (
     VERDICTS,
     Outcome,
     Records,
+    Step,
+    merge_right,
     merge_series,
     replay,
     replay_other,
@@ -83,8 +85,11 @@ from moe_release.series.nearest import (
 )
 from moe_release.series.patches import Patch, parse_patch, patch_author, patch_stem
 from moe_release.series.pins import Base, load_pins
+from moe_release.series.probes import PATHS as PROBE_PATHS
+from moe_release.series.probes import failures as probe_failures
 from moe_release.series.repo import read_series
 from moe_release.series.source import read_base_files
+from moe_release.series.topics import load_topics
 from moe_release.series.trees import PACKAGE_INFO, atomic_directory, check_target_dir, os_error
 
 BRANCH_PREFIX = "moe-release/"
@@ -234,6 +239,70 @@ def _by_base_path(co: Checkout, rev: str, paths: set[str], moved: dict[str, str]
     return files
 
 
+def probe_failure(steps: list[Step]) -> str:
+    """The first probe the whole series' result fails ("" if none)."""
+    return next((s.outcome.probe for s in steps if s.outcome.probe), "")
+
+
+def _merge_nearest_right(
+    co: Checkout, ref: str, mirror: Optional[Path], root: Path, series_name: Optional[str]
+) -> tuple[_Prepared, list[Step]]:
+    """The nearest series merged onto ``ref`` (applying.merge_right: a probe's patch borrowed
+    from the next nearest series that has it, where that makes the result whole and right);
+    if that still fails a probe and no --series names the series, the next nearest series
+    that merges whole and right, so merged."""
+    probe_files = co.files(ref, list(PROBE_PATHS))
+    primary = list(load_topics(root).of_patch)
+    own: dict[str, list] = {}  # each series' own states (merge_right replaces prep.states)
+
+    def prepare(name: Optional[str]) -> _Prepared:
+        prep = _prepare(co, ref, mirror, root, name)
+        own.setdefault(prep.choice.base.name, list(prep.states))
+        return prep
+
+    def merged(prep: _Prepared) -> list[Step]:
+        where = str(prep.choice.series_dir / APPLY_DIR)
+        others = []
+        for name in prep.choice.order:
+            if name == prep.choice.base.name:
+                continue
+            try:
+                others.append((name, own[name] if name in own else prepare(name).states))
+            except UserError:
+                continue
+        prep.states, steps = merge_right(
+            prep.states,
+            others,
+            lambda st: merge_series(st, prep.at_ref, prep.records, prep.style, where, probe_files),
+            primary,
+        )
+        return steps
+
+    first = prepare(series_name)
+    plain = merge_series(first.states, first.at_ref, first.records, first.style,
+                         str(first.choice.series_dir / APPLY_DIR), probe_files)  # fmt: skip
+    failed = probe_failure(plain)
+    if not failed:
+        return first, plain
+    steps = merged(first)
+    if series_name is not None or all(s.outcome.verdict != CONFLICT for s in steps):
+        return first, steps
+    for name in first.choice.order[1:]:
+        try:
+            prep = prepare(name)
+        except UserError:
+            continue
+        alt = merged(prep)
+        if all(s.outcome.verdict != CONFLICT for s in alt):
+            prep.choice.why = (
+                f"{name} is the nearest whose merge is whole and passes the probes; the "
+                f"nearest, {first.choice.base.name}, merges cleanly but leaves {failed} "
+                f"(its choice: {first.choice.why})"
+            )
+            return prep, alt
+    return first, steps
+
+
 def apply_series(
     co: Checkout,
     ref: str,
@@ -247,10 +316,8 @@ def apply_series(
     scratch repository at ``scratch`` (an empty directory); the checkout is only read. With
     ``label``, a last commit makes ``pip install`` build ``<version>+moerelease...``
     (checkout.label_files)."""
-    prep = _prepare(co, ref, mirror, root, series_name)
+    prep, steps = _merge_nearest_right(co, ref, mirror, root, series_name)
     choice, moved = prep.choice, prep.moved
-    where = str(choice.series_dir / APPLY_DIR)
-    steps = merge_series(prep.states, prep.at_ref, prep.records, prep.style, where)
     outcomes = [s.outcome for s in steps]
     repo = _Scratch(scratch, co)
     head = ref
@@ -443,7 +510,10 @@ def report_lines(co: Checkout, result: ApplyResult) -> list[str]:
                     out.extend("          | " + line for line in shown)
                     if len(lines) > 12:
                         out.append(f"          | ... ({len(lines) - 12} more lines)")
-        if o.verdict == CONFLICT and o.resolution is not None:
+        if o.probe:
+            out.append("      merged cleanly but wrong, and no stored series has a patch that "
+                       "merges right here")  # fmt: skip
+        elif o.verdict == CONFLICT and o.resolution is not None:
             rel = o.resolution.relative_to(choice.root) if o.resolution.is_relative_to(
                 choice.root) else o.resolution  # fmt: skip
             out.append(f"      needs a stored resolution: {rel}")
@@ -635,6 +705,15 @@ def run_resolve(
                     input=msg.encode())  # fmt: skip
                 words.append(f"committed {patch.name}")
             ours = result
+    on_disk = {p: (worktree / p).read_bytes() if (worktree / p).is_file() else None
+               for p in PROBE_PATHS}  # fmt: skip
+    wrong = probe_failures(on_disk)  # what the branch holds, the person's fixes included
+    if wrong:
+        words += [f"the result merges, but {msg} ({probe.topic}/{probe.name})"
+                  for probe, msg in wrong]  # fmt: skip
+        words.append(f"fix that in {worktree} and commit it (git -C {worktree} commit -a), "
+                     "then --record the branch")  # fmt: skip
+        return False, words
     words.append(f"every patch is on {branch}: store the resolutions with `moe_release.py "
                  f"apply {checkout} --ref {commit[:12]} --record {branch}`; apply then replays "
                  "them")  # fmt: skip

@@ -31,6 +31,7 @@ from moe_release.series.applying import (
     REPLAYED,
     Records,
     Step,
+    merge_right,
     merge_series,
 )
 from moe_release.series.checkout import APPLY_DIR
@@ -40,14 +41,17 @@ from moe_release.series.merge import Files, Resolution, parse_diff, series_state
 from moe_release.series.nearest import SERIES_START, Checkout, anchors, renames
 from moe_release.series.patches import parse_patch, patch_stem
 from moe_release.series.pins import Base
+from moe_release.series.probes import PATHS as PROBE_PATHS
 from moe_release.series.repo import read_series
 from moe_release.series.source import read_base_files
+from moe_release.series.topics import load_topics
 
 PYPROJECT = "pyproject.toml"
 LINES = ("main", "dev")
 # One letter per patch verdict, in the per-commit column.
 CODES = {APPLIED: "A", REPLAYED: "R", LANDED: "L", NOT_APPLICABLE: "N", CONFLICT: "C"}
 SETTLED = "S"  # applied with a conflict the tool settled (series.settle, series.imports)
+BORROWED = "B"  # a probe's patch taken from another series (applying.merge_right)
 
 
 @dataclasses.dataclass
@@ -68,11 +72,14 @@ class Row:
 
     @property
     def kind(self) -> str:
-        """conflict, record (a stored resolution replayed), settled (by the tool) or whole."""
+        """conflict, record (a stored resolution replayed), borrowed (a probe's patch from
+        another series), settled (by the tool) or whole."""
         if not self.whole:
             return "conflict"
         if CODES[REPLAYED] in self.codes:
             return "record"
+        if BORROWED in self.codes:
+            return "borrowed"
         return "settled" if SETTLED in self.codes else "whole"
 
 
@@ -138,10 +145,11 @@ class Sweep:
         self.co, self.root = co, root
         self.bases = _load_bases(co, mirror, root)
         self.changed = sorted({p for b in self.bases for p in b.changed})
-        self.paths = sorted({p for b in self.bases for p in b.paths})
+        self.paths = sorted({p for b in self.bases for p in b.paths} | set(PROBE_PATHS))
         self._lines: dict[tuple[str, tuple], int] = {}
         self._merges: dict[tuple, list[Step]] = {}
         self.merges = 0  # merges run (cache misses)
+        self.primary = list(load_topics(root).of_patch)
 
     def _blobs(self, commit: str) -> tuple:
         text = self.co.out("ls-tree", commit, "--", *self.paths, PYPROJECT)
@@ -159,18 +167,23 @@ class Sweep:
             self._lines[key] = sum(int(f[0]) + int(f[1]) for f in rows if f[0] != "-")
         return self._lines[key]
 
+    def ranked(self, commit: str, blobs: tuple, full: bool = False) -> list[_Base]:
+        """The bases, nearest first, as apply ranks them (nearest.choose_series): fewest lines
+        differing, then fewest commits apart (counted for ties at the top, or all with
+        ``full``)."""
+        dist = {i: self._distance(b, commit, blobs) for i, b in enumerate(self.bases)}
+        near = min(dist.values())
+        shared = [i for i in dist if list(dist.values()).count(dist[i]) > 1
+                  and (full or dist[i] == near)]  # fmt: skip
+        apart = {i: self.co.count(f"{self.bases[i].anchor}...{commit}") for i in shared}
+        order = sorted(dist, key=lambda i: (dist[i], apart.get(i, 0), i))
+        return [self.bases[i] for i in order]
+
     def choose(self, commit: str, blobs: tuple) -> _Base:
         """The base apply chooses for ``commit`` (nearest.choose_series's ranking)."""
-        ranked = sorted(((self._distance(b, commit, blobs), i) for i, b in enumerate(self.bases)))
-        tied = [self.bases[i] for d, i in ranked if d == ranked[0][0]]
-        if len(tied) == 1:
-            return tied[0]
-        apart = [(self.co.count(f"{b.anchor}...{commit}"), i) for i, b in enumerate(tied)]
-        return tied[min(apart)[1]]
+        return self.ranked(commit, blobs)[0]
 
-    def run_commit(self, line: str, commit: str, date: str) -> Row:
-        blobs = self._blobs(commit)
-        chosen = self.choose(commit, blobs)
+    def _merge(self, chosen: _Base, commit: str, blobs: tuple) -> list[Step]:
         own = next((r for c12, r in chosen.records if c12 == commit[:12]), {})
         key = (chosen.base.name, blobs, commit[:12] if own else "")
         absent = {p for p in chosen.paths if blobs[self.paths.index(p)] is None}
@@ -183,20 +196,47 @@ class Sweep:
                 files[old] = files.pop(new)
             style = isort_style(files.pop(PYPROJECT))
             others = [(c12, r) for c12, r in chosen.records if c12 != commit[:12]]
-            self._merges[key] = merge_series(chosen.states, files, Records(own, others), style)
-        return _row(line, commit, date, chosen.base.name, self._merges[key])
+            probe_files = self.co.files(commit, list(PROBE_PATHS))
+
+            def merge(states: list) -> list[Step]:
+                return merge_series(states, files, Records(own, others), style,
+                                    probe_files=probe_files)  # fmt: skip
+
+            steps = merge(chosen.states)
+            if any(s.outcome.probe for s in steps):  # a probe's patch from another series
+                alts = [(b.base.name, b.states) for b in self.ranked(commit, blobs, full=True)
+                        if b is not chosen]  # fmt: skip
+                _, steps = merge_right(chosen.states, alts, merge, self.primary)
+            self._merges[key] = steps
+        return self._merges[key]
+
+    def run_commit(self, line: str, commit: str, date: str) -> Row:
+        blobs = self._blobs(commit)
+        ranked = self.ranked(commit, blobs)
+        steps = self._merge(ranked[0], commit, blobs)
+        chosen = ranked[0]
+        if any(s.outcome.probe for s in steps):  # apply takes the next whole, right series
+            for other in self.ranked(commit, blobs, full=True)[1:]:
+                alt = self._merge(other, commit, blobs)
+                if all(s.outcome.verdict != CONFLICT for s in alt):
+                    chosen, steps = other, alt
+                    break
+        return _row(line, commit, date, chosen.base.name, steps)
 
 
 def _row(line: str, commit: str, date: str, series: str, steps: list[Step]) -> Row:
     codes, conflict, replayed = "", "", []
     for step in steps:
         o = step.outcome
-        codes += SETTLED if o.verdict == APPLIED and o.settled else CODES[o.verdict]
+        if o.borrowed and o.verdict != CONFLICT:
+            codes += BORROWED
+        else:
+            codes += SETTLED if o.verdict == APPLIED and o.settled else CODES[o.verdict]
         if o.replayed:
             replayed.append(o.replayed if "/" in o.replayed else f"{commit[:12]}/{o.replayed}")
         if o.verdict == CONFLICT and not conflict:
             c = o.conflicts[0] if o.conflicts else None
-            where = f"{c.path} ({c.hunk or 'no hunk'})" if c else o.note
+            where = f"{c.path} ({c.hunk or 'no hunk'})" if c else (o.probe or o.note)
             conflict = f"{o.patch}: {where}"
     return Row(line, commit, date, series, codes, conflict, replayed)
 
@@ -242,12 +282,14 @@ def summary_lines(rows: list[Row], facts: dict) -> list[str]:
     out = []
     for line in dict.fromkeys(r.line for r in rows):
         mine = [r for r in rows if r.line == line]
-        kinds = {k: sum(r.kind == k for r in mine) for k in ("whole", "settled", "record")}
+        kinds = {k: sum(r.kind == k for r in mine)
+                 for k in ("whole", "settled", "borrowed", "record")}  # fmt: skip
         bad = [r for r in mine if not r.whole]
         ok = len(mine) - len(bad)
         share = 100.0 * ok / len(mine) if mine else 0.0
         how = (f"{kinds['whole']} merge cleanly, {kinds['settled']} with a conflict the tool "
-               f"settles, {kinds['record']} through a stored resolution")  # fmt: skip
+               f"settles, {kinds['borrowed']} with a patch from another series, "
+               f"{kinds['record']} through a stored resolution")  # fmt: skip
         out.append(f"{line}: {len(mine)} commits ({mine[0].date} .. {mine[-1].date}): {ok} "
                    f"({share:.1f}%) take the whole series with no person ({how}), "
                    f"{len(bad)} conflict")  # fmt: skip
@@ -266,7 +308,10 @@ def summary_lines(rows: list[Row], facts: dict) -> list[str]:
 def markdown(rows: list[Row], facts: dict, command: str) -> str:
     """The sweep as a markdown page: the summary, then a table of every commit."""
     legend = ", ".join(f"{c} {v}" for v, c in CODES.items())
-    legend += f", {SETTLED} applied with a conflict the tool settled"
+    legend += (
+        f", {SETTLED} applied with a conflict the tool settled, {BORROWED} the series' "
+        "patch for a failed probe, taken from the next nearest series that has one"
+    )
     text = [
         "# `apply` on every first-parent commit of main and dev",
         "",
