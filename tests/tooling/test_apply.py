@@ -15,7 +15,7 @@ from conftest import AUTHOR, REPO_ROOT, TRAILERS
 from moe_release import settings
 from moe_release.series import cli
 from moe_release.series.applying import APPLIED, CONFLICT, LANDED, NOT_APPLICABLE, REPLAYED
-from moe_release.series.checkout import verify_checkout_install
+from moe_release.series.checkout import LABEL_SUBJECT, verify_checkout_install
 from moe_release.series.common import UserError
 from moe_release.series.git import format_patches, git, git_env
 from moe_release.series.merge import Resolution, file_diff, has_markers, merge_file
@@ -424,15 +424,22 @@ def test_resolve_leaves_each_conflict_in_a_work_tree_for_a_person(mlm, tmp_path,
     assert cli.main(["apply", str(m), "--ref", c[1], "--resolve", str(wt)]) == 0
     out = capsys.readouterr().out
     assert f"committed {P_BUFFER}" in out and f"--record {branch}" in out
+    # The finished branch is labelled as apply labels its own: pip install builds the series.
+    assert "labelled: pip install of the branch builds megatron-core 0.20.0+moerelease.2." in out
     subjects = _git(m, "log", "--format=%s", f"{c[1]}..{branch}").splitlines()
-    assert subjects == ["[MoE] Keep one buffer per process group",
-                        "[MoE] Release dispatcher state after combine"]  # fmt: skip
+    assert subjects[0].startswith(LABEL_SUBJECT + "0.20.0+moerelease.2.")
+    assert subjects[1:] == ["[MoE] Keep one buffer per process group",
+                            "[MoE] Release dispatcher state after combine"]  # fmt: skip
+    assert "_moe_release_manifest.json" in _git(m, "show", "--name-only", "--format=", branch)
+    assert cli.main(["apply", str(m), "--ref", c[1], "--resolve", str(wt)]) == 0  # once only
+    assert "labelled" not in capsys.readouterr().out
+    assert _git(m, "rev-list", "--count", f"{c[1]}..{branch}") == "3"
     assert cli.main(["apply", str(m), "--ref", c[1], "--record", branch]) == 0
     capsys.readouterr()
     _, result, _ = _apply(m, c[1], repo)
     assert _verdicts(result)[P_RELEASE] == REPLAYED
     assert _git(m, "rev-parse", f"moe-release/{c[1][:12]}~1^{{tree}}") == _git(
-        m, "rev-parse", f"{branch}^{{tree}}")  # fmt: skip
+        m, "rev-parse", f"{branch}~1^{{tree}}")  # fmt: skip
     after = _snapshot(m)
     assert after[1:4] == before[1:4]  # HEAD, its ref, the index
     assert after[5] == before[5]  # the checkout's files (the work tree DIR is elsewhere)

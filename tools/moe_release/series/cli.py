@@ -387,11 +387,11 @@ def _cmd_apply(args: argparse.Namespace) -> int:
             print(line)
         return 0
     if args.resolve:
-        if args.dry_run or args.out or args.branch or args.no_label:
-            raise UserError("--resolve makes its own branch: no --dry-run, --out, --branch or "
-                            "--no-label")  # fmt: skip
+        if args.dry_run or args.out or args.branch:
+            raise UserError("--resolve makes its own branch: no --dry-run, --out or --branch")
         done_all, lines = run_resolve(Path(args.checkout), args.ref, Path(args.resolve), mirror,
-                                      series_name=args.series)  # fmt: skip
+                                      series_name=args.series,
+                                      label=not args.no_label)  # fmt: skip
         for line in lines:
             print(line)
         return 0 if done_all else 1
@@ -654,8 +654,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a work tree DIR (added on branch moe-release/<commit12>-resolve) where a person "
         "resolves the conflicts: the patches are committed in turn up to the first conflict, "
         "whose 3-way merge (conflict markers included) is left in DIR; commit the resolution "
-        "and run the same command again; then --record the branch (exit 1 while a conflict is "
-        "left)",
+        "and run the same command again. A finished branch gets the label commit (not with "
+        "--no-label), so pip install and verify know it; --record it to store the resolutions "
+        "for others (exit 1 while a conflict or a failed probe is left)",
     )
     p.add_argument(
         "--mirror",

@@ -585,6 +585,36 @@ RESOLVE_SUFFIX = "-resolve"  # the branch apply --resolve makes: moe-release/<co
 MESSAGE_FILE = "moe-release-message"  # in the work tree's git directory: the stopped patch's
 
 
+def _label_worktree(
+    co: Checkout, worktree: Path, ref: str, base: Base, applied: list[str], root: Path
+) -> str:
+    """The label commit (checkout.label_files) on a finished --resolve branch, so that ``pip
+    install`` builds ``<version>+moerelease...`` and ``verify`` knows it; nothing is written
+    into the tool's repository. Returns what was done, in a line."""
+    head = git(worktree, "rev-parse", "HEAD").decode().strip()
+    changed = git(worktree, "diff", "--name-only", "--no-renames", ref, head).decode().split()
+    try:
+        version, files = label_files(ref, head, base, applied, co.files, changed, None, root)
+    except UserError as exc:
+        return f"not labelled: {exc}"
+    for path, data in files.items():
+        dest = worktree / path
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(data)
+    git(worktree, "add", "--", *sorted(files))
+    date = git(worktree, "log", "-1", "--format=%aI", head).decode().strip()
+    env = git_env(dict(GIT_AUTHOR_NAME=COMMITTER_IDENT[0], GIT_AUTHOR_EMAIL=COMMITTER_IDENT[1],
+                       GIT_AUTHOR_DATE=date))  # fmt: skip
+    msg = (
+        f"{LABEL_SUBJECT}{version}\n\n`pip install` of this checkout builds megatron-core "
+        f"{version}: the series of\n{base.name} ({len(applied)} commits below) applied on "
+        f"{ref[:12]} by moe-release's `apply --resolve`.\nThis commit stamps {PACKAGE_INFO}, "
+        "adds moe-release's new modules and the\nmanifest `moe_release.py verify` reads.\n"
+    )
+    git(worktree, "commit", "--quiet", "--no-verify", "-F", "-", env=env, input=msg.encode())
+    return f"labelled: pip install of the branch builds megatron-core {version} (--no-label: not)"
+
+
 def run_resolve(
     checkout: Path,
     ref: Optional[str],
@@ -592,6 +622,7 @@ def run_resolve(
     mirror: Optional[Path] = None,
     root: Optional[Path] = None,
     series_name: Optional[str] = None,
+    label: bool = True,
 ) -> tuple[bool, list[str]]:
     """``apply --resolve DIR``: a work tree where a person resolves what conflicts at REF. The
     first call adds the work tree DIR on a new branch ``moe-release/<commit12>-resolve`` at REF
@@ -636,6 +667,11 @@ def run_resolve(
         prep = _prepare(hist, commit, mirror, root, series_name)
         head = git(worktree, "rev-parse", "HEAD").decode().strip()
         commits = hist.out("rev-list", "--reverse", "--first-parent", f"{commit}..{head}").split()
+        labelled = bool(commits) and hist.out("log", "-1", "--format=%s", commits[-1]).startswith(
+            LABEL_SUBJECT
+        )
+        commits = commits[:-1] if labelled else commits
+        applied: list[str] = []  # the patches on the branch, in order
         paths = set(prep.at_ref)
         landed = files_series_states(prep.at_ref, [p for p, _, _ in prep.states])
         ours, k = dict(prep.at_ref), 0
@@ -646,6 +682,7 @@ def run_resolve(
             modified = [fp.path for fp in patch.files if not fp.new_file]
             if conflicts and modified and all(ours.get(p) is None for p in modified):
                 continue  # not applicable
+            applied.append(patch.name)
             if k < len(commits):  # done on the branch already (by this command or the person)
                 ours = _by_base_path(hist, commits[k], paths, prep.moved)
                 k += 1
@@ -714,6 +751,8 @@ def run_resolve(
         words.append(f"fix that in {worktree} and commit it (git -C {worktree} commit -a), "
                      "then --record the branch")  # fmt: skip
         return False, words
+    if label and not labelled:
+        words.append(_label_worktree(co, worktree, commit, prep.choice.base, applied, root))
     words.append(f"every patch is on {branch}: store the resolutions with `moe_release.py "
                  f"apply {checkout} --ref {commit[:12]} --record {branch}`; apply then replays "
                  "them")  # fmt: skip
