@@ -5,6 +5,7 @@ Megatron-Bridge YAML, its terms base beside patched as a table or ``--json``; ba
 line on stderr naming it, exit status 2."""
 
 import json
+import sys
 from typing import List, Optional, Sequence
 
 from moe_release.plan.compare import format_plan, plan
@@ -26,5 +27,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return int(exc.code or 0)
     for note in notes:
         _note(note)
+    for warning in result["warnings"]:
+        print(f"moe_memory_planner: warning: {warning}", file=sys.stderr)
     print(json.dumps(result, indent=1) if as_json else format_plan(result))
     return 0

@@ -40,10 +40,13 @@ def plan(cfg: MoEMemoryConfig, held_rows: Optional[int] = None) -> Dict[str, obj
             "nccl_ep_commit": planner.NCCL_EP_COMMIT,
         },
         "buffers": [asdict(t) for t in base.buffers],
+        "buffers_device_rounding": [asdict(t) for t in base.buffer_device_rounding],
+        "warnings": list(base.warnings),
         "retained_per_layer": [asdict(t) for t in base.dispatcher_state or ()],
         "retained_per_layer_but_the_last": [asdict(t) for t in base.dispatcher_state_chain],
         "totals": {
             "buffers_outside_allocator": base.buffer_bytes,
+            "buffers_outside_allocator_device": base.buffer_device_bytes,
             "buffers_pinned_host": base.buffer_pinned_host_bytes,
             "buffers_released": base.buffer_released_bytes,
             "retained_per_layer_base": base.dispatcher_state_bytes_per_layer,
@@ -88,7 +91,14 @@ def format_plan(result: Dict[str, object]) -> str:
             "ncclep": f"NCCL EP, nccl-extensions {d['nccl_ep_commit'][:7]}",
         }.get(backend, f"deep_ep {d.get('deep_ep_source', 'hybrid-ep')} {d['deep_ep_commit'][:7]}")
         lines.append(f"communication buffers ({source}), base = patched:")
-        rows(result["buffers"])
+        rows([t for t in result["buffers"] if not t["in_flight"]])
+        flight = [t for t in result["buffers"] if t["in_flight"]]
+        if flight:
+            lines.append("held by each MoE layer from its dispatch to its combine (allocator):")
+            rows(flight)
+        if result["buffers_device_rounding"]:
+            lines.append("what the device takes beyond the bytes asked for (device column only):")
+            rows(result["buffers_device_rounding"])
     if "growth" in result:
         g = result["growth"]
         held = "none" if g["held_rows"] is None else f"{g['held_rows']:,} rows"
@@ -114,6 +124,9 @@ def format_plan(result: Dict[str, object]) -> str:
         f"{'':52}{'base':>16}{'patched':>16}",
         f"{'buffers outside the allocator':52}{tot['buffers_outside_allocator']:>16,}"
         f"{tot['buffers_outside_allocator']:>16,}",
+        f"{'  as the device sees them (rounded)':52}"
+        f"{tot['buffers_outside_allocator_device']:>16,}"
+        f"{tot['buffers_outside_allocator_device']:>16,}",
         f"{'retained per MoE layer (allocator)':52}{num(tot['retained_per_layer_base'])}"
         f"{num(tot['retained_per_layer_patched'])}",
         f"{'retained between calls, all MoE layers':52}"

@@ -143,7 +143,7 @@ FIELD_FLAGS = {field_name: flag for flag, field_name in FLAGS.items()}
 FIELD_FLAGS.update({name: "--" + name.replace("_", "-") for name in (
     "num_layers_per_virtual_pipeline_stage", "sequence_parallel", "moe_ncclep_zero_copy",
     "moe_permute_fusion_into_hybridep", "account_for_embedding_in_pipeline_split",
-    "account_for_loss_in_pipeline_split",
+    "account_for_loss_in_pipeline_split", "moe_permute_fusion",
 )})  # fmt: skip
 INT_FIELDS = {
     "hidden_size", "num_moe_experts", "moe_router_topk", "num_layers", "seq_length",
@@ -156,7 +156,7 @@ INT_FIELDS = {
 FLOAT_FIELDS = ("routed_rows_factor", "moe_expert_rank_capacity_factor")
 BOOL_KEYS = (
     "bf16", "fp16", "moe_ncclep_zero_copy", "moe_enable_deepep", "moe_layer_recompute",
-    "moe_permute_fusion_into_hybridep",
+    "moe_permute_fusion_into_hybridep", "moe_permute_fusion",
     "sequence_parallel", "account_for_embedding_in_pipeline_split",
     "account_for_loss_in_pipeline_split",
 )  # fmt: skip
@@ -176,7 +176,8 @@ DEPRECATED_SMS = ("moe_deepep_num_sms", "moe_hybridep_num_sms")
 MEGATRON_NEIGHBOURS = frozenset({
     "eval_micro_batch_size", "ffn_hidden_size", "inference_moe_token_dispatcher_type",
     "main_params_dtype", "model_parallel_size", "moe_expert_capacity_factor",
-    "moe_router_group_topk", "mtp_num_layers", "rl_inference_expert_model_parallel_size",
+    "moe_router_fusion", "moe_router_group_topk", "mtp_num_layers",
+    "rl_inference_expert_model_parallel_size",
     "rl_inference_pipeline_model_parallel_size", "rl_inference_tensor_model_parallel_size",
 })  # fmt: skip
 # Megatron fields the terms depend on that the planner does not model: set, they are noted.
@@ -465,6 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--moe-permute-fusion-into-hybridep", action="store_true", default=None,
                      help="HybridEP's fused permute-dispatch: one chunk size for all three "
                      "variables (default off)")  # fmt: skip
+    opt.add_argument("--moe-permute-fusion", action="store_true", default=None,
+                     help="Transformer Engine's fused permute: the dispatchers keep its "
+                     "row_id_map [rows, 2 x experts + 1] int32 (default off)")  # fmt: skip
     opt.add_argument("--moe-ncclep-zero-copy", dest="moe_ncclep_zero_copy", action="store_true",
                      default=None, help="NCCL EP's zero-copy buffers (default off)")  # fmt: skip
     out = p.add_argument_group("input and output")
@@ -506,6 +510,7 @@ def config_from_args(
         "account_for_embedding_in_pipeline_split",
         "account_for_loss_in_pipeline_split",
         "moe_permute_fusion_into_hybridep",
+        "moe_permute_fusion",
     ):
         if getattr(args, name):
             values[name] = True

@@ -122,7 +122,7 @@ def buffer_prediction(
         tokens_per_rank=cfg["tokens"], moe_token_dispatcher_type="flex",
         moe_flex_dispatcher_backend=backend, bf16=False, local_rank=rank,
     )  # fmt: skip
-    terms = planner.buffer_terms(mc)
+    terms = [t for t in planner.buffer_terms(mc) if not t.in_flight]  # buffers, not a call's
     out = {
         "backend": backend,
         "buffer_bytes": planner.total(terms, planner.OUTSIDE),

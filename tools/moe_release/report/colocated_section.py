@@ -45,7 +45,8 @@ def planner_terms(config, tokens: int, ep: int, local_rank: Optional[int] = None
         tokens_per_rank=tokens,
         local_rank=local_rank,
     )
-    return planner.buffer_terms(cfg)
+    # The buffers only: NCCL EP's routing handle is one call's, in flight, not a buffer.
+    return [t for t in planner.buffer_terms(cfg) if not t.in_flight]
 
 
 def rank_loop(backend: str, release: bool, tokens: int = TOKENS) -> Dict[str, Any]:

@@ -1782,3 +1782,221 @@ def test_fused_permute_with_one_chunk_size_plans(monkeypatch, capsys):
     data, _ = _plan_json(capsys, args + ["--moe-permute-fusion-into-hybridep"])
     terms = {t["name"]: t["nbytes"] for t in data["buffers"]}
     assert terms["dispatch chunk flags"] == terms["combine chunk flags"] == 32 * 8 * 4
+
+
+# --------------------------------------------------------------------------------------------
+# Across nodes (issue 45): DeepEP v2's hybrid layout and NCCL EP's internode buffers, the
+# refusals, the device's rounding and the in-flight and never-freed terms, each worked by hand.
+
+# The shape of the issue: bf16, H = 7168, 256 experts, top-8, 4,096 tokens per rank, 8 ranks per
+# NVLink domain.
+SHAPE = dict(hidden_size=7168, num_moe_experts=256, moe_router_topk=8, num_layers=4,
+             tokens_per_rank=4096, moe_token_dispatcher_type="flex")  # fmt: skip
+
+
+def test_deepep_v2_hybrid_layout_worked_by_hand():
+    """DeepEP v2 across O domains of U = 8 ranks (buffer.hpp:544-591 at DEEP_EP_V2_COMMIT):
+    Bd = 14,464, Bc = 14,400 (as in one domain), N = 4,096, scale-out slots N + 1280.
+    2 x 8: dispatch 14464 x (8 x 2 x 4096 + 4096 + 2 x 5376) = 1,162,674,176; combine 14400 x
+    (8 x 2 x 4096 + 2 x 4096 + 2 x 5376) = 1,216,512,000, the larger. 4 x 8: dispatch 14464 x
+    (131072 + 4096 + 21504) = 2,266,103,808; combine 14400 x (131072 + 4 x 4096 + 21504) =
+    2,433,024,000. The same 16 ranks in one domain (an NVL72 rack): 16 x 4096 x 14464."""
+    data = "symmetric window: data buffer"
+    two = _names(planner.deepep_v2_buffer_terms(16, 4096, 7168, 8, ranks_per_node=8))
+    assert two[f"{data} (2 domains x 8 ranks)"] == 14400 * (65536 + 8192 + 10752) == 1_216_512_000
+    assert 14464 * (65536 + 4096 + 10752) == 1_162_674_176  # dispatch: smaller here
+    four = _names(planner.deepep_v2_buffer_terms(32, 4096, 7168, 8, ranks_per_node=8))
+    assert four[f"{data} (4 domains x 8 ranks)"] == 14400 * (131072 + 16384 + 21504)
+    assert four[f"{data} (4 domains x 8 ranks)"] == 2_433_024_000
+    one = _names(planner.deepep_v2_buffer_terms(16, 4096, 7168, 8, ranks_per_node=16))
+    assert one[data] == 16 * 4096 * 14464 == 947_912_704
+    assert _names(planner.deepep_v2_buffer_terms(16, 4096, 7168, 8)) == one  # None: one domain
+    for terms in (two, four, one):
+        assert terms["symmetric window: workspace"] == 12_820_544  # topology-free (layout.cuh)
+    # The command and the installed estimate() price it from --ranks-per-node alike.
+    cfg = planner.MoEMemoryConfig(**SHAPE, expert_model_parallel_size=16, ranks_per_node=8,
+                                  moe_flex_dispatcher_backend="deepepv2")  # fmt: skip
+    assert compare.plan(cfg)["totals"]["buffers_outside_allocator"] == 1_216_512_000 + 12_820_544
+
+
+def test_nccl_ep_across_domains_worked_by_hand():
+    """NCCL EP at EP16 = 2 x 8 and EP32 = 4 x 8 (eager: MR = R x M x top-k = 524,288 and
+    1,048,576; B = 14,336; nccl_ep.cc at NCCL_EP_COMMIT). Probabilities hold the experts of one
+    domain, L x E / R = 128 and 64: 2 x MR x 128 x 4 = 536,870,912 both times (1026-1028), not
+    2 x MR x 256 x 4. The GIN buffer (1300-1358), N domains, T = 4,096, Ed = 128 (EP16):
+    2 x a4k(4096 x 1 x 14336) + 2 x a4k(4096 x 1 x 128 x 4) + 2 x a4k(1 x 64 x 8) + 2 x a4k(2 x 8)
+    + a4k(4096 x 14336) + a4k(4096 x 256 x 4) + 2 x a4k(1 x 4096 x (14336 + 512)) = 306,200,576;
+    EP32 (Ed = 64): 2 x 176,160,768 + 2 x 3,145,728 + 2 x 4,096 + 2 x 4,096 + 58,720,256 +
+    4,194,304 + 2 x 179,306,496 = 780,156,928. Totals 10,273,964,072 and 20,145,258,536."""
+    gin16 = (2 * 58_720_256 + 2 * 2_097_152 + 2 * 4096 + 2 * 4096 + 58_720_256 + 4_194_304
+             + 2 * 60_817_408)  # fmt: skip
+    assert planner.nccl_ep_gin_bytes(16, 8, 256, 4096, 7168) == gin16 == 306_200_576
+    assert planner.nccl_ep_gin_bytes(32, 8, 256, 4096, 7168) == 780_156_928
+    assert planner.nccl_ep_gin_bytes(8, 8, 256, 4096, 7168) == 0  # one domain: none
+    for r, gin, device in ((16, 306_200_576, 10_273_964_072), (32, 780_156_928, 20_145_258_536)):
+        mr = r * 4096 * 8
+        terms = planner.nccl_ep_terms(r, 256, 4096, mr, 7168, ranks_per_node=8)
+        named = _names(terms)
+        assert named["dispatch and combine probabilities"] == 2 * mr * (8 * 256 // r) * 4
+        assert named[f"GIN buffer ({r // 8} domains x 8 ranks)"] == gin
+        assert named["host pointer block (mapped)"] == 40 * 8  # per domain rank (1072-1075)
+        want = 33_554_432 + 32 + r * 4096 * 32 + 2 * 4096 * r * 14336 + 536_870_912 \
+            + mr * 14336 + 8 + gin  # fmt: skip
+        assert planner.total(terms, planner.OUTSIDE) == want == device
+    # One domain keeps its device communicator: never freed, its bytes NCCL's own (not priced).
+    one = planner.nccl_ep_terms(8, 256, 4096, 262144, 7168, ranks_per_node=8)
+    leak = [t for t in one if not t.released]
+    assert [(t.nbytes, t.source) for t in leak] == [(0, "nccl_ep.cc:1282-1297")]
+    assert "never released" in leak[0].note
+    assert planner.total(one, planner.OUTSIDE) == 5_269_094_440
+    # The command and estimate() agree: EP16 from flags, and from a TransformerConfig mapping.
+    cfg = planner.MoEMemoryConfig(**SHAPE, expert_model_parallel_size=16, ranks_per_node=8,
+                                  moe_flex_dispatcher_backend="ncclep")  # fmt: skip
+    plan = compare.plan(cfg)
+    assert plan["totals"]["buffers_outside_allocator"] == 10_273_964_072
+    fields = {k: v for k, v in SHAPE.items() if k != "tokens_per_rank"}
+    est = planner.estimate(dict(fields, expert_model_parallel_size=16,
+                                moe_flex_dispatcher_backend="ncclep"), 4096, ranks_per_node=8,
+                           releases=True)  # fmt: skip
+    assert [dataclasses.asdict(t) for t in est.buffers] == plan["buffers"]
+
+
+def test_nccl_ep_routing_handle_worked_by_hand():
+    """One MoE layer's routing handle, held from its dispatch to its combine in PyTorch's
+    allocator (nccl_ep.cc:2397-2464; TE pytorch/ep.py:301-302), expert-major with local permute,
+    132 SMs. EP8: r2a 4,096 + ler 262144 x 32 + ntfe 256 + s2d 4096 x 8 x 4 + rank mask
+    4096 x 8 x 8 + scan 132 x 8 x 8 = 8,448 + dense probabilities 4096 x 256 x 4 + top-k
+    4096 x 8 x 8 + 256 + 512 + flat2em and weights 2 x 262144 x 8 x 4 + 4096 x 8 x 4
+    = 30,160,128. EP16 = 2 x 8: no dense probabilities (the GIN buffer's), a2r 4,096, the rest
+    by MR = 524,288 = 43,275,264. Not a buffer: not in the buffer totals or the release."""
+    ep8 = (4096 + 8_388_608 + 256 + 131_072 + 262_144 + 8_448 + 4_194_304 + 262_144 + 256
+           + 512 + 2 * 8_388_608 + 131_072)  # fmt: skip
+    assert planner.nccl_ep_handle_bytes(8, 8, 256, 4096, 262144, 8) == ep8 == 30_160_128
+    assert planner.nccl_ep_handle_bytes(16, 8, 256, 4096, 524288, 8) == 43_275_264
+    assert planner.nccl_ep_handle_bytes(8, 8, 256, 4096, 262144, 8, sms=78) == ep8 - 8448 + 5120
+    terms = planner.nccl_ep_terms(8, 256, 4096, 262144, 7168, ranks_per_node=8, topk=8)
+    handle = [t for t in terms if t.in_flight]
+    assert [(t.nbytes, t.where) for t in handle] == [(30_160_128, planner.ALLOCATOR)]
+    assert handle[0].note.startswith("released by: the layer's combine")
+    assert planner.released_bytes(terms) == planner.released_bytes(
+        [t for t in terms if not t.in_flight])  # fmt: skip
+
+
+def test_device_rounding_worked_by_hand():
+    """What the device takes beyond the bytes asked for: one ncclMemAlloc rounded to 2 MiB (the
+    assumed cuMem granularity). DeepEP v2 EP8: its window, 473,956,352 + 12,820,544 =
+    486,776,896 B, takes 233 x 2 MiB = 488,636,416 (+1,859,520). NCCL EP's 8-byte completion
+    flags take a whole granule (+2,097,144); its intranode buffer is a 2 MiB multiple here."""
+    cfg = planner.MoEMemoryConfig(**SHAPE, expert_model_parallel_size=8,
+                                  moe_flex_dispatcher_backend="deepepv2")  # fmt: skip
+    est = planner.estimate_config(cfg, releases=True)
+    assert [t.nbytes for t in est.buffer_device_rounding] == [488_636_416 - 486_776_896]
+    assert est.buffer_device_bytes == est.buffer_bytes + 1_859_520 == 488_636_416
+    plan = compare.plan(cfg)
+    assert plan["totals"]["buffers_outside_allocator_device"] == 488_636_416
+    assert "as the device sees them (rounded)" in compare.format_plan(plan)
+    nccl = planner.estimate_config(dataclasses.replace(cfg, moe_flex_dispatcher_backend="ncclep"),
+                                   releases=True)  # fmt: skip
+    outside = [t for t in nccl.buffer_device_rounding if t.where == planner.OUTSIDE]
+    assert [t.nbytes for t in outside] == [2 * 1024 * 1024 - 8]
+    # The byte-exact terms do not change: rounding is its own column.
+    assert nccl.buffer_bytes == 5_269_094_440
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--moe-flex-dispatcher-backend", "ncclep", "--expert-model-parallel-size", "1"],
+         "--expert-model-parallel-size: the NCCL EP dispatcher requires ETP x EP > 1, got 1 "
+         "(token_dispatcher.py:1788; TransformerEngine pytorch/ep.py:138-139)"),
+        (["--moe-flex-dispatcher-backend", "deepepv2", "--expert-model-parallel-size", "1"],
+         "requires ETP x EP > 1, got 1 (dev token_dispatcher.py:1896)"),
+        (["--moe-flex-dispatcher-backend", "deepep", "--expert-model-parallel-size", "1"],
+         "requires ETP x EP > 1, got 1 (token_dispatcher.py:1770)"),
+        (["--moe-flex-dispatcher-backend", "deepepv2", "--expert-model-parallel-size", "8",
+          "--num-experts", "4096"], "--num-experts: DeepEP v2 takes at most 2048 experts, got "
+         "4096 (layout.cuh:39)"),
+        (["--moe-flex-dispatcher-backend", "deepepv2", "--expert-model-parallel-size", "2",
+          "--num-experts", "1024"], "at most 256 experts per rank, got 512 (layout.cuh:40)"),
+        (["--moe-flex-dispatcher-backend", "deepepv2", "--expert-model-parallel-size", "8",
+          "--hidden-size", "2080"], "combine needs a multiple of 256, got 2080 (combine.cuh:109"),
+        (["--moe-flex-dispatcher-backend", "deepepv2", "--expert-model-parallel-size", "16",
+          "--num-experts", "2048", "--ranks-per-node", "8"],
+         "ranks per domain + experts per rank <= 128, got 8 + 128 (hybrid_dispatch.cuh:260-261)"),
+        (["--moe-flex-dispatcher-backend", "deepepv2", "--expert-model-parallel-size", "128",
+          "--ranks-per-node", "2"], "at most 32 NVLink domains, got 64 (hybrid_dispatch.cuh:331)"),
+        (["--moe-flex-dispatcher-backend", "ncclep", "--expert-model-parallel-size", "8",
+          "--hidden-size", "2052"], "--hidden-size: NCCL EP's high-throughput kernels need a token "
+         "row of 2 x 2052 bytes to be a multiple of 16 (nccl_ep.cc:1634-1641)"),
+    ],
+)  # fmt: skip
+def test_refusals_across_nodes(args, message, capsys):
+    base = ["--hidden-size", "7168", "--num-experts", "256", "--moe-router-topk", "8",
+            "--num-layers", "4", "--tokens-per-rank", "4096",
+            "--moe-token-dispatcher-type", "flex"]  # fmt: skip
+    # argparse keeps the last of a repeated flag: the case's own value wins.
+    line = _one_line_exit_2(capsys, base + args)
+    assert message in line, line
+
+
+def test_nccl_ep_token_limit_is_a_warning(capsys):
+    """NCCL EP documents 8,192 tokens per rank (include/common.hpp:26) and checks nothing: the
+    plan prices 105,153 tokens as given and says so in one warning line, exit status 0."""
+    args = ["--hidden-size", "2048", "--num-experts", "128", "--moe-router-topk", "8",
+            "--num-layers", "4", "--tokens-per-rank", "105153", "--expert-model-parallel-size",
+            "2", "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend",
+            "ncclep"]  # fmt: skip
+    result, err = _plan_json(capsys, args)
+    assert err.strip() == (
+        "moe_memory_planner: warning: tokens_per_rank: NCCL EP documents at most 8,192 tokens "
+        "per rank, got 105,153; nothing checks it at the pinned commit (include/common.hpp:26, "
+        "RELEASE.md:19), priced as given"
+    )
+    assert result["warnings"] == [err.strip().split("warning: ", 1)[1]]
+    assert result["totals"]["buffers_outside_allocator"] > 0
+    _plan_json(capsys, args[:9] + ["4096"] + args[10:])
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("ranks", [16, 32])
+def test_hybridep_and_deepep_across_nodes_price_by_node(ranks):
+    """HybridEP and DeepEP v1 already lay out by node: at 2 x 8 and 4 x 8 their RDMA terms
+    appear and grow with the nodes, and one NVLink domain of the same ranks has none."""
+    for backend in ("hybridep", "deepep"):
+        cfg = planner.MoEMemoryConfig(**SHAPE, expert_model_parallel_size=ranks, ranks_per_node=8,
+                                      moe_flex_dispatcher_backend=backend)  # fmt: skip
+        names = [t.name for t in planner.buffer_terms(cfg)]
+        assert any("RDMA" in n or "rdma" in n for n in names), (backend, names)
+
+
+def test_permute_fusion_keeps_te_row_id_map_worked_by_hand(capsys):
+    """With moe_permute_fusion, megatron's moe_utils.permute returns Transformer Engine's
+    row_id_map as the sorted indices (fused_permute_with_probs; TE d0067d0
+    triton/permutation.py:52: [tokens, 2 x experts + 1] int32), and the all-to-all dispatcher
+    keeps it in reversed_local_input_permutation_mapping. Qwen3.6-35B-A3B's MoE shape (H 2048,
+    256 experts, top-8, 40 MoE layers), one H200, 73,696 tokens, fp32 router: per layer probs
+    73696 x 256 x 4 + routing map 73696 x 256 + 2,048 + row_id_map 73696 x 513 x 4 =
+    245,557,120; x 40 = 9,822,284,800 B = 9.148 GiB (ART #861 reports "approximately 9.15 GiB
+    across 40 MoE layers"; without the fusion the map is 73696 x 8 x 8 and the total 3.96e9)."""
+    args = ["--hidden-size", "2048", "--num-experts", "256", "--moe-router-topk", "8",
+            "--num-layers", "40", "--tokens-per-rank", "73696", "--bf16",
+            "--moe-token-dispatcher-type", "alltoall", "--moe-router-dtype", "fp32"]  # fmt: skip
+    fused, _ = _plan_json(capsys, args + ["--moe-permute-fusion"])
+    names = {
+        t["name"].split(":")[0].split(" [")[0]: t["nbytes"] for t in fused["retained_per_layer"]
+    }
+    assert names["reversed_local_input_permutation_mapping"] == 73696 * 513 * 4 == 151_224_192
+    per_layer = 73696 * 256 * 4 + 73696 * 256 + 2048 + 73696 * 513 * 4
+    assert fused["totals"]["retained_per_layer_base"] == per_layer == 245_557_120
+    assert fused["totals"]["retained_between_calls_base"] == 40 * per_layer == 9_822_284_800
+    plain, _ = _plan_json(capsys, args)
+    assert plain["totals"]["retained_per_layer_base"] == per_layer - 73696 * 513 * 4 + 73696 * 64
+    # The all-gather and DeepEP maps follow the same rule, over their own routing maps.
+    shape = planner.LayerShape(tokens=100, hidden=64, experts=8, topk=2, group=2,
+                               local_experts=4, routed_rows=200, received_tokens=150,
+                               permute_fusion=True)  # fmt: skip
+    ag = _names(planner.retained_state_terms(shape, "allgather"))
+    assert ag["reversed_local_input_permutation_mapping: TE row_id_map [200, 2 x 4 + 1] int32"] \
+        == 200 * 9 * 4  # fmt: skip
+    dp = _names(planner.retained_state_terms(shape, "flex", "deepep"))
+    assert dp["reversed_mapping_for_combine: TE row_id_map [150, 2 x 4 + 1] int32"] == 150 * 9 * 4

@@ -38,9 +38,15 @@ are read as deep_ep reads them (``atoi``, default 64) for every term they size. 
 call sites are cited as in megatron-core 0.19.2. Terms marked approximate (the DOCA queue pairs
 of multi-node HybridEP) come from a stored NCCL version, not deep_ep's submodule pin.
 
-Not modelled: NVSHMEM's own memory (DeepEP across more than 8 ranks), the cuMem fabric
-granularity, NCCL communicators, DeepEP's low-latency mode, NCCL EP's leaked device
-communicator (one cuMem granule per bootstrap), capacity-factor routing (drop-and-pad keeps
+Across NVLink domains (``ranks_per_node``, the domain NCCL's load/store team spans) DeepEP v2
+is priced in its hybrid layout and NCCL EP with its per-domain probabilities and GIN buffer.
+The terms are the bytes the code asks for; :func:`device_rounding` adds what the device takes
+(each ``ncclMemAlloc`` rounded to an assumed 2 MiB cuMem granularity, allocator tensors to 512
+B). NCCL EP's routing handle is a per-layer term held in flight, not a buffer; its never-freed
+device communicator of one domain is listed with its bytes unpriced.
+
+Not modelled: NVSHMEM's own memory (DeepEP across more than 8 ranks), the bytes of NCCL's
+communicators, DeepEP's low-latency mode, capacity-factor routing (drop-and-pad keeps
 other shapes; the terms are dropless), the retained state of the DeepEP v2 and NCCL EP backends
 (their buffers are priced, :func:`deepep_v2_buffer_terms` at ``DEEP_EP_V2_COMMIT``,
 :func:`nccl_ep_terms` at ``NCCL_EP_COMMIT``), the MoE layers of MTP, the per-expert padding of
@@ -107,8 +113,10 @@ from .deepep import (
     deepep_rdma_bytes,
 )
 from .deepep_v2 import (
+    DEEPEP_V2_MAX_CHANNELS,
     DEEPEP_V2_WORKSPACE,
     deepep_v2_buffer_terms,
+    deepep_v2_refusal,
 )
 from .hybridep import (
     ALLOCATOR_TEST_BYTES,
@@ -129,7 +137,12 @@ from .hybridep import (
     hybridep_rows_after,
 )
 from .nccl_ep import (
+    NCCL_EP_DEFAULT_SMS,
+    NCCL_EP_MAX_TOKENS_PER_RANK,
+    NCCL_EP_RDMA_CHUNK,
     nccl_ep_capacity,
+    nccl_ep_gin_bytes,
+    nccl_ep_handle_bytes,
     nccl_ep_terms,
 )
 from .plan import (
@@ -138,6 +151,7 @@ from .plan import (
     hybridep_growth,
     hybridep_layout,
     kernel_refusal,
+    kernel_warnings,
     layer_shape,
     measured_retained_bytes,
     per_call_bytes,
@@ -168,8 +182,11 @@ from .terms import (
     INT32,
     INT64,
     INT_MAX,
+    NCCL_GRANULARITY,
     OUTSIDE,
+    TORCH_BLOCK,
     Term,
+    device_rounding,
     released_bytes,
     total,
 )
@@ -265,4 +282,15 @@ __all__ = [
     "Term",
     "released_bytes",
     "total",
+    "DEEPEP_V2_MAX_CHANNELS",
+    "deepep_v2_refusal",
+    "NCCL_EP_DEFAULT_SMS",
+    "NCCL_EP_MAX_TOKENS_PER_RANK",
+    "NCCL_EP_RDMA_CHUNK",
+    "nccl_ep_gin_bytes",
+    "nccl_ep_handle_bytes",
+    "kernel_warnings",
+    "NCCL_GRANULARITY",
+    "TORCH_BLOCK",
+    "device_rounding",
 ]

@@ -8,10 +8,10 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Union
 
 from .config import MoEMemoryConfig
-from .plan import buffer_terms, kernel_refusal, layer_shape
+from .plan import buffer_terms, kernel_refusal, kernel_warnings, layer_shape
 from .retained import BACKENDS, retained_chain_terms, retained_state_terms
 from .sources import DEEP_EP_SOURCES, DEEP_EP_V2_COMMIT, NCCL_EP_COMMIT
-from .terms import HOST, OUTSIDE, Term, released_bytes, total
+from .terms import HOST, OUTSIDE, Term, device_rounding, released_bytes, total
 
 if TYPE_CHECKING:  # only for the annotations: the planner imports the standard library alone
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -70,6 +70,13 @@ class MoEMemoryEstimate:
         dispatcher_state_chain: without recompute, what a later layer's retained graph adds
             through each earlier layer's combine (every MoE layer but the last).
         moe_layers: MoE layers of the pipeline rank that builds the most.
+        warnings: limits the backend documents but does not enforce, one line each
+            (:func:`kernel_warnings`): priced as given.
+
+    ``buffers`` are the bytes the code asks for; :attr:`buffer_device_rounding` adds what the
+    device takes beyond them (:func:`device_rounding`). A term with ``in_flight`` (NCCL EP's
+    routing handle) is held by one layer from dispatch to combine, in PyTorch's allocator, and
+    not counted in :attr:`buffer_bytes` or :attr:`buffer_released_bytes`.
     """
 
     config: MoEMemoryConfig
@@ -79,6 +86,18 @@ class MoEMemoryEstimate:
     dispatcher_state: Optional[Tuple[Term, ...]]
     dispatcher_state_chain: Tuple[Term, ...]
     moe_layers: int
+    warnings: Tuple[str, ...] = ()
+
+    @property
+    def buffer_device_rounding(self) -> Tuple[Term, ...]:
+        """What each buffer allocation takes on the device beyond the bytes it asks for."""
+        return tuple(device_rounding(self.buffers))
+
+    @property
+    def buffer_device_bytes(self) -> int:
+        """:attr:`buffer_bytes` as the device sees them: each NCCL allocation rounded to the
+        cuMem granularity (2 MiB assumed)."""
+        return self.buffer_bytes + total(self.buffer_device_rounding, OUTSIDE)
 
     @property
     def buffer_bytes(self) -> int:
@@ -151,6 +170,7 @@ def estimate_config(cfg: MoEMemoryConfig, releases: Optional[bool] = None) -> Mo
         dispatcher_state=state,
         dispatcher_state_chain=chain,
         moe_layers=cfg.moe_layers_per_rank,
+        warnings=tuple(kernel_warnings(cfg)),
     )
 
 

@@ -55,6 +55,7 @@ class MoEMemoryConfig:
     moe_flex_dispatcher_num_sms: Optional[int] = None
     moe_hybridep_num_sms_preprocessing: int = DEFAULT_BLOCKS_PREPROCESSING
     moe_permute_fusion_into_hybridep: bool = False
+    moe_permute_fusion: bool = False
     moe_router_dtype: Optional[str] = None
     moe_expert_rank_capacity_factor: Optional[float] = None
     moe_ncclep_zero_copy: bool = False
@@ -130,6 +131,7 @@ class MoEMemoryConfig:
             "bf16",
             "moe_ncclep_zero_copy",
             "moe_permute_fusion_into_hybridep",
+            "moe_permute_fusion",
             "account_for_embedding_in_pipeline_split",
             "account_for_loss_in_pipeline_split",
         ):

@@ -8,7 +8,7 @@ from typing import Dict, List, Optional
 
 from .config import MoEMemoryConfig
 from .deepep import DEEPEP_SOURCE, DEFAULT_DEEPEP_SMS, NUM_MAX_NVL_PEERS, deepep_buffer_terms
-from .deepep_v2 import deepep_v2_buffer_terms
+from .deepep_v2 import deepep_v2_buffer_terms, deepep_v2_refusal
 from .hybridep import (
     CHUNK_ENV,
     HybridEPLayout,
@@ -18,7 +18,7 @@ from .hybridep import (
     hybridep_rows,
     hybridep_rows_after,
 )
-from .nccl_ep import nccl_ep_capacity, nccl_ep_terms
+from .nccl_ep import NCCL_EP_MAX_TOKENS_PER_RANK, nccl_ep_capacity, nccl_ep_terms
 from .retained import LayerShape
 from .sources import DEEP_EP_V2_COMMIT
 from .terms import BF16, FP32, INT64, OUTSIDE, Term, total
@@ -40,6 +40,7 @@ def layer_shape(cfg: MoEMemoryConfig) -> LayerShape:
         probs_bytes={"fp32": FP32, "fp64": 8}.get(cfg.moe_router_dtype, BF16 if cfg.bf16 else FP32),
         recompute=cfg.recompute,
         channels=(cfg.moe_flex_dispatcher_num_sms or DEFAULT_DEEPEP_SMS) // 2,
+        permute_fusion=cfg.moe_permute_fusion,
     )
 
 
@@ -74,7 +75,8 @@ def buffer_terms(cfg: MoEMemoryConfig) -> List[Term]:
         raise ValueError(f"deep_ep: {cfg.deep_ep!r} applies to the deepep backend; {where}")
     if cfg.moe_flex_dispatcher_backend == "deepepv2":
         return deepep_v2_buffer_terms(cfg.group_size, cfg.tokens, cfg.hidden_size,
-                                      cfg.moe_router_topk)  # fmt: skip
+                                      cfg.moe_router_topk,
+                                      ranks_per_node=cfg.ranks_per_node)  # fmt: skip
     if cfg.moe_flex_dispatcher_backend == "ncclep":
         m, mr = nccl_ep_capacity(
             cfg.tokens, cfg.moe_router_topk, cfg.moe_expert_rank_capacity_factor or 1.0
@@ -82,7 +84,8 @@ def buffer_terms(cfg: MoEMemoryConfig) -> List[Term]:
         if cfg.moe_expert_rank_capacity_factor is None:  # eager (main): MR = R x M x top-k
             mr = cfg.group_size * m * cfg.moe_router_topk
         return nccl_ep_terms(cfg.group_size, cfg.num_moe_experts, m, mr, cfg.hidden_size,
-                             cfg.moe_ncclep_zero_copy)  # fmt: skip
+                             cfg.moe_ncclep_zero_copy, cfg.ranks_per_node,
+                             cfg.moe_router_topk)  # fmt: skip
     if cfg.moe_flex_dispatcher_backend == "deepep":
         sms = cfg.moe_flex_dispatcher_num_sms or DEFAULT_DEEPEP_SMS
         # fused_a2a.get_hidden_bytes: H x max(element size, 2).
@@ -105,6 +108,25 @@ def kernel_refusal(cfg: MoEMemoryConfig) -> Optional[str]:
     runs shapes the kernels would not.)"""
     if cfg.moe_token_dispatcher_type != "flex":
         return None
+    backend = cfg.moe_flex_dispatcher_backend
+    if backend in ("deepep", "deepepv2", "ncclep") and cfg.group_size < 2:
+        name = {"deepep": "DeepEP", "deepepv2": "DeepEP v2", "ncclep": "NCCL EP"}[backend]
+        at = {
+            "deepep": "token_dispatcher.py:1770",
+            "deepepv2": "dev token_dispatcher.py:1896",
+            "ncclep": "token_dispatcher.py:1788; TransformerEngine pytorch/ep.py:138-139",
+        }
+        return (f"expert_model_parallel_size: the {name} dispatcher requires ETP x EP > 1, got "
+                f"{cfg.group_size} ({at[backend]})")  # fmt: skip
+    if backend == "deepepv2":
+        return deepep_v2_refusal(cfg.group_size, cfg.num_moe_experts * cfg.etp,
+                                 cfg.ranks_per_node, cfg.moe_router_topk,
+                                 cfg.hidden_size)  # fmt: skip
+    if backend == "ncclep" and 2 * cfg.hidden_size % 16:
+        return (
+            f"hidden_size: NCCL EP's high-throughput kernels need a token row of 2 x "
+            f"{cfg.hidden_size} bytes to be a multiple of 16 (nccl_ep.cc:1634-1641)"
+        )
     if cfg.moe_flex_dispatcher_backend == "deepep":
         src = DEEPEP_SOURCE[cfg.deep_ep]
         sms = cfg.moe_flex_dispatcher_num_sms or DEFAULT_DEEPEP_SMS
@@ -142,6 +164,21 @@ def kernel_refusal(cfg: MoEMemoryConfig) -> Optional[str]:
             )
         return hybridep_refusal(hybridep_layout(cfg))
     return None
+
+
+def kernel_warnings(cfg: MoEMemoryConfig) -> List[str]:
+    """What ``cfg``'s flex backend documents as a limit but does not enforce, one line each
+    (``field: what (source line)``): NCCL EP's 8,192 tokens per rank."""
+    if cfg.moe_token_dispatcher_type != "flex":
+        return []
+    out = []
+    if cfg.moe_flex_dispatcher_backend == "ncclep" and cfg.tokens > NCCL_EP_MAX_TOKENS_PER_RANK:
+        out.append(
+            f"tokens_per_rank: NCCL EP documents at most {NCCL_EP_MAX_TOKENS_PER_RANK:,} tokens "
+            f"per rank, got {cfg.tokens:,}; nothing checks it at the pinned commit "
+            "(include/common.hpp:26, RELEASE.md:19), priced as given"
+        )
+    return out
 
 
 def hybridep_growth(cfg: MoEMemoryConfig, held_rows: Optional[int]) -> Dict[str, object]:

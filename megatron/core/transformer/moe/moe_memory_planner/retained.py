@@ -36,6 +36,9 @@ class LayerShape:
         recompute: ``none``; ``selective`` (``moe`` among the recompute modules) or ``full``:
             the layer's forward is recomputed in backward from a leaf of its input.
         channels: DeepEP's channels (``num_sms / 2``).
+        permute_fusion: ``moe_permute_fusion``: the dispatchers permute with Transformer
+            Engine's fused kernel, whose ``row_id_map`` ([rows, 2 x columns + 1] int32) they
+            keep in place of the sorted indices.
     """
 
     tokens: int
@@ -50,6 +53,7 @@ class LayerShape:
     probs_bytes: int = FP32
     recompute: str = "selective"
     channels: int = DEFAULT_DEEPEP_SMS // 2
+    permute_fusion: bool = False
 
     @property
     def expected_received_tokens(self) -> int:
@@ -71,6 +75,26 @@ class LayerShape:
 DISPATCHERS = ("allgather", "alltoall", "flex")
 BACKENDS = ("deepep", "hybridep")  # the retained state is modelled for these
 FLEX_BACKENDS = ("deepep", "hybridep", "deepepv2", "ncclep")
+
+
+# Transformer Engine's fused permute (megatron's moe_utils.permute with fused=True) returns its
+# row_id_map as the sorted indices: [tokens, 2 x experts + 1] int32 for a routing map
+# (transformer_engine/pytorch/triton/permutation.py:52, make_row_id_map, at TE d0067d0).
+TE_ROW_ID_MAP = "transformer_engine/pytorch/triton/permutation.py:52 (TE d0067d0)"
+
+
+def _permutation_map(
+    name: str, rows: int, tokens: int, columns: int, fused: bool, source: str
+) -> Term:
+    """The permutation map a dispatcher keeps (``name`` with its shape): the sorted indices,
+    ``rows`` int64, or with ``moe_permute_fusion`` TE's row_id_map of the ``tokens`` x
+    ``columns`` routing map, ``[tokens, 2 x columns + 1]`` int32."""
+    if fused:
+        base = name.split(" [", 1)[0]
+        return Term(f"{base}: TE row_id_map [{tokens:,}, 2 x {columns} + 1] int32",
+                    tokens * (2 * columns + 1) * INT32, ALLOCATOR, source,
+                    f"moe_permute_fusion: {TE_ROW_ID_MAP}")  # fmt: skip
+    return Term(name, rows * INT64, ALLOCATOR, source)
 
 
 def retained_state_terms(
@@ -114,8 +138,8 @@ def retained_state_terms(
             Term("tokens_per_expert [L] int64", lx * INT64, ALLOCATOR, f"{where}.dispatch"),
             Term("dispatched_routing_map [R, L] bool", r * lx, ALLOCATOR,
                  f"{where}._indices_to_multihot", "R: tokens received"),
-            Term("reversed_mapping_for_combine [P] int64", p * INT64, ALLOCATOR,
-                 f"{where}.get_permuted_hidden_states_by_experts"),
+            _permutation_map("reversed_mapping_for_combine [P] int64", p, r, lx,
+                             s.permute_fusion, f"{where}.get_permuted_hidden_states_by_experts"),
         ]  # fmt: skip
     elif dispatcher == "alltoall":
         where = f"{SRC} MoEAlltoAllTokenDispatcher"
@@ -124,16 +148,16 @@ def retained_state_terms(
             Term("routing_map [T, E] bool", t * e, ALLOCATOR, f"{where}.dispatch_preprocess"),
             Term("num_global_tokens_per_local_expert [G, L] int64", g * lx * INT64, ALLOCATOR,
                  f"{where}.preprocess"),
-            Term("reversed_local_input_permutation_mapping [T x k] int64", t * k * INT64,
-                 ALLOCATOR, f"{where}.dispatch_preprocess"),
+            _permutation_map("reversed_local_input_permutation_mapping [T x k] int64", t * k, t,
+                             e, s.permute_fusion, f"{where}.dispatch_preprocess"),
         ]  # fmt: skip
     elif dispatcher == "allgather":
         where = f"{SRC} MoEAllGatherTokenDispatcher"
         terms = [
             Term("local_map [T x G, L] bool", t * g * lx, ALLOCATOR, f"{where}.token_dispatch"),
             Term("local_probs [P]", p * pb, ALLOCATOR, f"{where}.token_dispatch"),
-            Term("reversed_local_input_permutation_mapping [P] int64", p * INT64, ALLOCATOR,
-                 f"{where}.dispatch_postprocess"),
+            _permutation_map("reversed_local_input_permutation_mapping [P] int64", p, t * g, lx,
+                             s.permute_fusion, f"{where}.dispatch_postprocess"),
         ]  # fmt: skip
     else:
         raise ValueError(f"no retained-state model for dispatcher {dispatcher!r} {backend!r}")

@@ -4,7 +4,7 @@
 arithmetic every backend's pricing shares."""
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 # Where a term's bytes live.
 OUTSIDE = "outside allocator"  # cudaMalloc, CUDA IPC, cuMem or NVSHMEM, by deep_ep
@@ -20,7 +20,9 @@ INT64 = 8
 @dataclass(frozen=True)
 class Term:
     """One allocation: its name, bytes, where it lives and the source line that sizes it;
-    ``released`` is False for what the kernel's destroy leaves allocated."""
+    ``released`` is False for what the kernel's destroy leaves allocated; ``alloc`` names the
+    one device allocation several terms share (rounded as one, :func:`device_rounding`);
+    ``in_flight`` marks what a call holds until a later one frees it, not a buffer."""
 
     name: str
     nbytes: int
@@ -28,6 +30,8 @@ class Term:
     source: str
     note: str = ""
     released: bool = True
+    alloc: str = ""
+    in_flight: bool = False
 
 
 def total(terms: Sequence[Term], where: Optional[str] = None) -> int:
@@ -37,8 +41,41 @@ def total(terms: Sequence[Term], where: Optional[str] = None) -> int:
 
 def released_bytes(terms: Sequence[Term]) -> int:
     """Bytes a release of these buffers gives back, device and pinned host: every term but
-    those the kernel's destroy leaves allocated."""
-    return sum(t.nbytes for t in terms if t.released)
+    those the kernel's destroy leaves allocated and those a call holds in flight."""
+    return sum(t.nbytes for t in terms if t.released and not t.in_flight)
+
+
+# What the device sees of an allocation, beyond the bytes asked for:
+# ncclMemAlloc rounds to cuMemGetAllocationGranularity(..., RECOMMENDED) (NCCL
+# src/allocator.cc, ncclMemAlloc), 2 MiB on Hopper (an assumption the planner cannot measure);
+# PyTorch's caching allocator rounds every block to 512 bytes (c10/cuda/CUDACachingAllocator.cpp,
+# kMinBlockSize and round_size).
+NCCL_GRANULARITY = 2 * 1024 * 1024
+TORCH_BLOCK = 512
+
+
+def device_rounding(terms: Sequence[Term], granularity: int = NCCL_GRANULARITY) -> List[Term]:
+    """The bytes each allocation of ``terms`` takes on the device beyond what it asks for, one
+    term each: an NCCL allocation (the terms sharing its ``alloc``) rounded up to
+    ``granularity``, a caching-allocator tensor to 512 bytes. Allocations whose rounding the
+    planner does not know (deep_ep's cudaMalloc and IPC buffers) add nothing."""
+    out: List[Term] = []
+    shared: dict = {}
+    for t in terms:
+        if t.alloc:
+            shared[t.alloc] = shared.get(t.alloc, 0) + t.nbytes
+        elif t.where == ALLOCATOR and t.nbytes % TORCH_BLOCK:
+            extra = _up(t.nbytes, TORCH_BLOCK) - t.nbytes
+            out.append(Term(f"device rounding: {t.name}", extra, ALLOCATOR,
+                            "CUDACachingAllocator.cpp round_size", "512-byte blocks",
+                            in_flight=t.in_flight))  # fmt: skip
+    for alloc, nbytes in shared.items():
+        extra = _up(nbytes, granularity) - nbytes
+        if extra:
+            out.append(Term(f"device rounding: {alloc}", extra, OUTSIDE,
+                            "NCCL allocator.cc ncclMemAlloc",
+                            f"cuMem granularity {granularity:,} B (assumed)"))  # fmt: skip
+    return out
 
 
 def _up(value: int, multiple: int) -> int:
