@@ -227,6 +227,7 @@ def merge_right(
     borrowed patch's outcome names its series)."""
     steps = merge(states)
     tried: set[str] = set()
+    lent: dict[int, tuple[str, str]] = {}  # id(patch) -> (its series, why it was taken)
     while True:
         failing = next((s.outcome for s in steps if s.outcome.probe), None)
         if failing is None or failing.probe_patch in tried:
@@ -252,9 +253,11 @@ def merge_right(
                 s.outcome.probe_patch == target for s in got
             ):
                 continue
+            for patch, _, _ in taken:
+                lent[id(patch)] = (series, f"from the {series} series; without it, {failing.probe}")
             for (patch, _, _), step in zip(trial, got, strict=True):
-                if any(patch is t[0] for t in taken):
-                    step.outcome.borrowed = series
-                    step.outcome.note = f"from the {series} series; without it, {failing.probe}"
+                if id(patch) in lent:
+                    step.outcome.borrowed, why = lent[id(patch)]
+                    step.outcome.note = f"{why}; {step.outcome.note}" if step.outcome.note else why
             states, steps = trial, got
             break

@@ -5,7 +5,7 @@ is still wrong.
 
 A 3-way merge is clean when the series' changes and REF's do not overlap; it cannot see that
 REF moved the code a patch guards, or dropped a line the series' base had and the series
-therefore does not add. Three such merges were found by running the release tests on commits
+therefore does not add. Four such merges were found by running the release tests on commits
 nobody recorded (``run-tests --checkout``):
 
 - main 55638bc4 with the 0.18.0 series: upstream moved the Triton kernels to
@@ -16,7 +16,10 @@ nobody recorded (``run-tests --checkout``):
   None`` (#3164) after core_r0.16.0 left it, so the series, whose base has the line, does not
   carry the patch that adds it;
 - dev f47ad914 with the 0.17.0 series: dev still binds ``te_general_gemm`` only where
-  Transformer Engine imports, which the 0.17.0 base (and so its series) no longer does.
+  Transformer Engine imports, which the 0.17.0 base (and so its series) no longer does;
+- main c8239f9a with the 0.18.0 series: main has DeepEP v2 (``ElasticBuffer``), which no
+  release branch series knows, so a regrown buffer was dropped while a backward still needed it
+  and destroyed from its finalizer.
 
 Each probe states one topic's promise about the files as a reader would check it, and says in
 one line what is wrong. They read the text (``ast``), never import it, and pass on every
@@ -36,6 +39,7 @@ OPS_PAGED_STASH = "megatron/core/transformer/moe/ops/paged_stash.py"
 OPS_INIT = "megatron/core/transformer/moe/ops/__init__.py"
 MOE_UTILS = "megatron/core/transformer/moe/moe_utils.py"
 CALLABLES = "megatron/core/models/gpt/fine_grained_callables.py"
+FUSED_A2A = "megatron/core/transformer/moe/fused_a2a.py"
 # The per-layer tensors the A2A-overlap release drops once used (the release tests report
 # them held as layer_state.<name>).
 LAYER_STATE_RELEASED = ("dispatched_probs", "tokens_per_expert")
@@ -142,6 +146,48 @@ def layer_state_released(files: Files) -> Optional[str]:
 
 CPU_IMPORT_PATCH = "MoE-Let-the-MoE-dispatcher-path-import-and-build-wit.patch"
 LAYER_STATE_PATCH = "MoE-A2A-overlap-release-the-layer-state-s-probs-and-.patch"
+
+
+def elastic_buffer_kept(files: Files) -> Optional[str]:
+    """comm-buffers: where fused_a2a builds DeepEP v2's ``ElasticBuffer``, it builds it with
+    ``explicitly_destroy=True`` (no destroy from a finalizer) and keeps the buffer it replaces
+    (passes the old one on before rebinding it) for the backwards still to run on it."""
+    module = _tree(files, FUSED_A2A)
+    if module is None:
+        return None
+    for fn in (n for n in ast.walk(module) if isinstance(n, ast.FunctionDef)):
+        kept = False
+        for node in sorted(
+            (n for n in ast.walk(fn) if isinstance(n, (ast.Assign, ast.Call))),
+            key=lambda n: (n.lineno, n.col_offset),
+        ):
+            if isinstance(node, ast.Call) and any(
+                isinstance(a, ast.Name) and a.id == "_elastic_buffer" for a in node.args
+            ):
+                kept = True
+            if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
+                continue
+            call = node.value
+            if not (isinstance(call.func, ast.Name) and call.func.id == "ElasticBuffer"):
+                continue
+            if not any(isinstance(t, ast.Name) and t.id == "_elastic_buffer" for t in node.targets):
+                continue
+            explicit = any(
+                k.arg == "explicitly_destroy"
+                and isinstance(k.value, ast.Constant)
+                and k.value.value is True
+                for k in call.keywords
+            )
+            if not explicit:
+                return (f"{FUSED_A2A}:{node.lineno} builds ElasticBuffer without "
+                        "explicitly_destroy=True (destroyed from a finalizer)")  # fmt: skip
+            if not kept:
+                return (f"{FUSED_A2A}:{node.lineno} rebinds _elastic_buffer and drops the buffer "
+                        "it replaces, which a pending backward may still use")  # fmt: skip
+    return None
+
+
+DEEPEP_V2_PATCH = "MoE-Destroy-the-DeepEP-buffer-explicitly-the-old-one.patch"
 PROBES = (
     Probe(
         "cpu-import",
@@ -152,6 +198,7 @@ PROBES = (
     ),  # fmt: skip
     Probe("cpu-import", "te_general_gemm", CPU_IMPORT_PATCH, (MOE_UTILS,), te_general_gemm_bound),
     Probe("a2a-overlap", "layer-state", LAYER_STATE_PATCH, (CALLABLES,), layer_state_released),
+    Probe("comm-buffers", "deepep-v2", DEEPEP_V2_PATCH, (FUSED_A2A,), elastic_buffer_kept),
 )
 PATHS = tuple(sorted({p for probe in PROBES for p in probe.paths}))
 
