@@ -277,17 +277,25 @@ def test_every_form_of_tensor_to(rules):
 
 
 def test_cuda_memory_stats_come_from_the_counting_allocator(rules, monkeypatch):
-    """torch.cuda.memory_allocated of the emulated GPU is the counting host allocator's figure;
-    without that counter it is refused (torch would answer 0 without a CUDA context)."""
+    """torch.cuda.memory_allocated of the emulated GPU is the counting host allocator's figure,
+    and mem_get_info's free memory the emulated device's total less it; without that counter
+    both are refused (torch would answer 0 without a CUDA context)."""
+    from moe_release.runtime.cuda import placement
     from moe_release.runtime.measure import cpu_memory
 
     cpu_memory.install()
     before = torch.cuda.memory_allocated()
+    free_before, total = torch.cuda.mem_get_info()
     block = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
     assert torch.cuda.memory_allocated() - before == 1 << 20
+    free, total_after = torch.cuda.mem_get_info()
+    assert total == total_after == placement.DEVICE_MEMORY and free_before - free == 1 << 20
     torch.cuda.reset_peak_memory_stats()
     del block
     assert torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated() == 1 << 20
+    assert torch.cuda.mem_get_info()[0] == free_before
     monkeypatch.setattr(cpu_memory, "installed", lambda: False)
     with pytest.raises(RuntimeError, match="needs the counting host allocator"):
         torch.cuda.memory_allocated()
+    with pytest.raises(RuntimeError, match="needs the counting host allocator"):
+        torch.cuda.mem_get_info()

@@ -364,14 +364,25 @@ def install_dtoh_stream_cpu_shim() -> bool:
 
 
 def held_comm_buffers(fused_a2a) -> list:
-    """fused_a2a's HybridEP and DeepEP buffers on any tree, each once: one per process group
-    where the series keys them (``_hybrid_ep_buffers``, beside the module global
-    ``_hybrid_ep_buffer`` naming one of them), the single module global on the base; DeepEP
-    v2's ``_elastic_buffer`` where the tree has it (dev)."""
-    hybrid = list(getattr(fused_a2a, "_hybrid_ep_buffers", {}).values())
-    hybrid.append(getattr(fused_a2a, "_hybrid_ep_buffer", None))
-    held = (*hybrid, fused_a2a._buffer, getattr(fused_a2a, "_elastic_buffer", None))
+    """fused_a2a's HybridEP and DeepEP buffers in use on any tree, each once: one per process
+    group's ranks where the series keys them (its ``_TABLES``), the module globals on the base
+    (DeepEP v2's ``_elastic_buffer`` where the tree has it: dev)."""
+    tables = getattr(fused_a2a, "_TABLES", None)
+    if tables is not None:
+        held = [b for t in tables for b in t.in_use()]
+    else:
+        held = [getattr(fused_a2a, name, None) for name in _BUFFER_GLOBALS]
     return list({id(b): b for b in held if b is not None}.values())
+
+
+def allocated_comm_buffers(fused_a2a) -> list:
+    """Every communication buffer fused_a2a still references, in use or not (the series keeps
+    a buffer taken out of use until the explicit release frees it); on the base, those in use."""
+    held = getattr(fused_a2a, "_held_buffers", None)
+    return held() if held is not None else held_comm_buffers(fused_a2a)
+
+
+_BUFFER_GLOBALS = ("_hybrid_ep_buffer", "_buffer", "_elastic_buffer")
 
 
 def teardown_megatron_state() -> None:

@@ -722,6 +722,7 @@ def _cuda_stand_ins() -> dict:
         "stream": HOST_STREAMS.stream,
         "Stream": HostStream,
         "Event": HostEvent,
+        "mem_get_info": _mem_get_info,
         "memory_allocated": _memory_stat("memory_allocated"),
         "max_memory_allocated": _memory_stat("max_memory_allocated"),
         "reset_peak_memory_stats": _memory_stat("reset_peak_memory_stats"),
@@ -748,6 +749,23 @@ def _memory_stat(name: str):
 
     stand_in.__name__ = name
     return stand_in
+
+
+# The emulated GPU's memory for ``torch.cuda.mem_get_info``: an H100's 80 GiB.
+DEVICE_MEMORY = 80 * 2**30
+
+
+def _mem_get_info(device=None) -> Tuple[int, int]:
+    """``torch.cuda.mem_get_info`` of the emulated GPU: ``(free, total)`` with ``free`` the total
+    less the counting host allocator's live bytes, settled (gloo's threads free finished
+    collectives' buffers late). Differs from cudaMemGetInfo: no caching allocator keeps freed
+    blocks reserved here, and the page-locked host memory the emulations allocate (DeepEP's
+    receive counters) counts as the device's. Refused without the counter, as
+    :func:`_memory_stat` is."""
+    from moe_release.runtime.measure import cpu_memory
+
+    _memory_stat("memory_allocated")(device)  # refuses without the counter
+    return DEVICE_MEMORY - cpu_memory.settled(), DEVICE_MEMORY
 
 
 @contextlib.contextmanager

@@ -270,7 +270,10 @@ class _EmulatedRuntime:
     job's store; past its bound it raises, as the kernel traps)."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int) -> None:
-        self.fabric = faults.Fabric(group, "deepep") if num_nvl_bytes > 0 else None
+        # The constructor all-gathers the device ids and IPC handles over the group
+        # (deep_ep/buffer.py:94-100): the barrier signals destroy() uses are those it mapped.
+        tokens = faults.exchange(group)
+        self.fabric = faults.Fabric(group, "deepep", tokens) if num_nvl_bytes > 0 else None
 
     def destroy(self) -> None:
         if self.fabric is not None:

@@ -181,7 +181,9 @@ def all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:
     )
 
 
-_SAME_COUNT_CALLS: Dict[Tuple[int, ...], int] = {}
+# Calls so far per (the default store, the group's ranks): a world re-formed (a replaced peer's
+# fresh process joining the survivors) has a new store, so its ranks count from the same start.
+_SAME_COUNT_CALLS: Dict[Tuple[object, Tuple[int, ...]], int] = {}
 
 
 def same_count_on_every_rank(n: int, group, what: str) -> None:
@@ -197,9 +199,9 @@ def same_count_on_every_rank(n: int, group, what: str) -> None:
         if group is not None
         else tuple(range(dist.get_world_size()))
     )
-    seq = _SAME_COUNT_CALLS.get(ranks, 0)
-    _SAME_COUNT_CALLS[ranks] = seq + 1
     store = dist.distributed_c10d._get_default_store()
+    seq = _SAME_COUNT_CALLS.get((store, ranks), 0)
+    _SAME_COUNT_CALLS[store, ranks] = seq + 1
     prefix = f"moe_release/same_count/{'-'.join(map(str, ranks))}"
     me = dist.get_rank()
     store.set(f"{prefix}/{seq}/{me}", str(n))

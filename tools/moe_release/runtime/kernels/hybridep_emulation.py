@@ -343,6 +343,24 @@ class ExtendedMemoryAllocator:
         )
 
 
+class _HybridEPRuntime:
+    """Stand-in for ``hybrid_ep_cpp.HybridEPBuffer``, whose destructor (``hybrid_ep.cu:75-90``,
+    ``release_buffer``) synchronizes the device and frees the buffers the peers map (closing
+    their IPC handles): no peer waits in it, but a peer's kernel still reading or writing this
+    rank's memory then faults. Its destruction is logged as ``hybridep release_buffer`` with its
+    context (:func:`moe_release.runtime.measure.faults.note`), so that where the memory goes is
+    seen; the emulated memory itself dies with the Python buffer, as the real runtime with it."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
+        self.ranks = faults.group_ranks(group)
+
+    def __del__(self, _faults=faults) -> None:
+        try:
+            _faults.note("hybridep release_buffer", self.ranks)
+        except Exception:  # noqa: BLE001 - the interpreter's finalization may have cleared it
+            pass
+
+
 class HybridEPBuffer:
     """Emulation of ``deep_ep.HybridEPBuffer`` (permute + all-to-all + permute).
 
@@ -409,6 +427,9 @@ class HybridEPBuffer:
         # (config.cuh:385-387); later calls grow them (_grow).
         self.rows = buffer_rows(max_num_of_tokens_per_rank)
         self._allocate()
+        # The C++ buffer (hybrid_ep_buffer.py:101-111): code outside reads ``runtime``, and its
+        # destructor is where the memory goes (_HybridEPRuntime).
+        self.runtime = _HybridEPRuntime(self.group)
         faults.register_buffer(self)
 
     @property

@@ -80,8 +80,22 @@ COLLECTIVES = (
 # "atexit" after an exception and the lifecycle collectives of a backward.
 BANNED_CONTEXTS = ("finalizer", "gc")
 
+# What frees a communication buffer's memory (that its peers map): only an explicit release
+# that every peer makes, on the main thread, may (context "release"), or the process's exit.
+# HybridEP's destructor waits on no peer: it is no collective (not in LIFECYCLE below).
+FREES = (
+    "deepep destroy barrier",
+    "deepepv2 destroy barrier",
+    "hybridep release_buffer",
+    "ncclep ep_finalize",
+)
+
+# The constructions among them: a backward may make a buffer (a recompute after a reset, DeepEP's
+# backward fetching one), as every rank of the group runs the same backward.
+CONSTRUCTIONS = ("hybridep handle exchange", "deepepv2 construct barrier", "ncclep ep_bootstrap")
+
 # Collectives that create, release or synchronize a communication buffer (not a data move of a
-# dispatch or combine): none may run inside a backward.
+# dispatch or combine): none but a construction may run inside a backward.
 LIFECYCLE = (
     "barrier",
     "monitored_barrier",
@@ -134,9 +148,11 @@ def context() -> Tuple[List[str], bool]:
     is pending."""
     where = []
     frame = sys._getframe(1)
-    finalizer = atexit_hook = False
+    finalizer = atexit_hook = release = False
     while frame is not None:
         code = frame.f_code
+        if code.co_name == "reset_fused_a2a_buffers" and frame.f_locals.get("collective"):
+            release = True  # fused_a2a's explicit release, which every peer calls
         if code.co_name == "__del__":
             finalizer = True
         elif code.co_filename.endswith("weakref.py"):
@@ -145,6 +161,10 @@ def context() -> Tuple[List[str], bool]:
             elif code.co_name == "__call__":
                 finalizer = True
         frame = frame.f_back
+    if release:
+        where.append("release")
+    if sys.is_finalizing():
+        where.append("exit")
     if finalizer:
         where.append("finalizer")
     if _STATE["gc"]:
@@ -311,22 +331,24 @@ def reset() -> None:
 
 # -- the device fabric -------------------------------------------------------------------------
 
-# Per set of global ranks, the buffers made over it so far: constructions are collective, so the
-# n-th buffer over a set of ranks is the same buffer on each of them.
-_FABRIC_SEQ: Dict[Tuple[str, Tuple[int, ...]], int] = {}
-
 
 class Fabric:
     """The NVLink peers of one buffer, as its constructor mapped them (see the module
     docstring): :meth:`barrier` is the rendezvous a device-side barrier makes, over the default
-    store the job started with, whatever became of the buffer's process group since."""
+    store the job started with, whatever became of the buffer's process group since.
 
-    def __init__(self, group, what: str) -> None:
+    Which peers' barrier it is comes from the constructor's own exchange, as the real one's
+    barrier signals come from the IPC handles its constructor all-gathers over the group
+    (deep_ep 94a9f8f ``deep_ep/buffer.py:94-100``): :func:`exchange` runs that all-gather of a
+    token fresh per construction, and the tokens name the fabric. So a replaced peer (a fresh
+    process, which made none of the old buffers) meets the survivors' new buffers only."""
+
+    def __init__(self, group, what: str, tokens: Optional[List[str]] = None) -> None:
         self.ranks = group_ranks(group) or (0,)
-        key = (what, self.ranks)
-        n = _FABRIC_SEQ.get(key, 0)
-        _FABRIC_SEQ[key] = n + 1
-        self.prefix = f"moe_release_fabric/{what}/{'-'.join(map(str, self.ranks))}/{n}/"
+        tokens = tokens if tokens is not None else exchange(group)
+        self.prefix = f"moe_release_fabric/{what}/{'-'.join(map(str, self.ranks))}/" + (
+            "/".join(tokens) + "/"
+        )
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.store = None
         if dist.is_initialized() and len(self.ranks) > 1:
@@ -356,6 +378,17 @@ class Fabric:
             )
             record("device_barrier_timeout", op=kind, ranks=list(self.ranks), waited=waited)
             raise DeviceBarrierTimeout(message) from None
+
+
+def exchange(group) -> List[str]:
+    """What a buffer's constructor all-gathers over ``group`` (its IPC handles): here a token
+    fresh per construction, from each rank."""
+    token = os.urandom(6).hex()
+    if not dist.is_initialized() or (group_ranks(group) or (0,)) == (dist.get_rank(),):
+        return [token]
+    tokens: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(tokens, token, group=group)
+    return [str(t) for t in tokens]
 
 
 # -- what the emulations hold -------------------------------------------------------------------
