@@ -20,6 +20,7 @@ from moe_release.series.topics import load_topics
 from moe_release.series.verbs.upstream import (
     VARIANT_TARGETS,
     check_export,
+    check_topic,
     export_subject,
     export_test_files,
     export_upstream,
@@ -143,15 +144,20 @@ def test_conventional_subject(subject, expected):
 
 
 def test_topics_split_the_series(base):
-    """One PR per code-owner area and topic, in series order; memory is the four together."""
+    """One PR per code-owner area and topic, in series order; memory is the four together; the
+    overlay's own teardown patch is in no PR."""
     series = read_series(base)
     cpu, memory = topic_series(series, "cpu-import"), topic_series(series, "memory")
     assert [parse_patch(d, n).subject for n, d in cpu] == [
         f"[MoE] L{TOPICS.get('cpu-import', 'subject')}"
     ]
-    assert len(memory) == len(series) - 1 and cpu[0] not in memory
+    teardown = topic_series(series, "teardown")
+    assert [n for n, _ in teardown] == [
+        "MoE-Take-the-comm-buffers-out-of-use-in-destroy_mode.patch"
+    ]
+    assert len(memory) == len(series) - 2 and cpu[0] not in memory and teardown[0] not in memory
     prs = {t: topic_series(series, t) for t in PR_TOPICS}
-    assert [len(prs[t]) for t in PR_TOPICS] == [3, 3, 1, 3]
+    assert [len(prs[t]) for t in PR_TOPICS] == [3, 3, 1, 2]
     assert [item for t in PR_TOPICS for item in prs[t]] == memory
     subjects = [parse_patch(d, n).subject for n, d in prs["dispatcher-state"]]
     assert all("dispatcher state after combine" in s for s in subjects), subjects
@@ -306,7 +312,7 @@ def test_memory_export_adds_the_upstream_layout_tests(tmp_path, base):
     applied.mkdir()
     subprocess.run(["git", "apply", str(paths[-1])], cwd=applied, check=True)
     got = {p.relative_to(applied).as_posix(): p.read_bytes() for p in applied.rglob("*.py")}
-    cpu_tests = TOPIC_TESTS["cpu-import"]
+    cpu_tests = TOPIC_TESTS["cpu-import"] + TOPIC_TESTS["teardown"]
     memory = {p: d for p, d in files.items() if not p.endswith(cpu_tests)}
     assert got == memory
     cpu = export_upstream("main", tmp_path / "cpu", IDENT, "cpu-import")
@@ -396,12 +402,12 @@ def test_check_applies_with_git_am_and_byte_compiles(tmp_path, base, base_files,
 
 def test_check_names_the_patch_that_does_not_apply(tmp_path, base, base_files):
     def reword(root):
-        f = root / "megatron/core/parallel_state.py"
-        f.write_text(f.read_text().replace('"""Set the groups to none."""', '"""Reworded."""'))
+        f = root / "megatron/core/transformer/moe/fused_a2a.py"
+        f.write_text(f.read_text().replace("    Reset the HybridEP buffer\n", "    Reworded.\n"))
 
     paths = export_upstream("core_r0.19.0", tmp_path / "out", IDENT)
     checkout = _checkout(tmp_path, base, base_files, reword)
-    first = next(p for p in paths if '     """Set the groups to none."""' in p.read_text())
+    first = next(p for p in paths if "-    Reset the HybridEP buffer\n" in p.read_text())
     with pytest.raises(UserError, match=rf"^{first.name} does not apply to HEAD"):
         check_export(paths, checkout, None, IDENT)
     # The checkout itself is untouched: git am ran on a scratch clone.
@@ -465,7 +471,9 @@ def test_a_pr_built_on_another_says_so_and_applies_after_it(tmp_path, base, base
     own = export_upstream("core_r0.19.0", tmp_path / "out", IDENT, "comm-buffers")
     text = (tmp_path / "out" / "PR.md").read_text()
     first = text.index('Builds on "fix(moe): release the MoE dispatchers\' per-forward state')
-    second = text.index('Builds on "fix(moe): keep one HybridEP buffer per process group"')
+    second = text.index(
+        "Builds on \"fix(moe): keep one HybridEP buffer per process group's ranks\""
+    )
     assert first < second and text.count("which must merge first") == 2, text
     deps = prerequisite_exports(tmp_path / "out")
     assert [t for t, _ in deps] == ["dispatcher-state", "hybridep-groups"]
@@ -527,10 +535,14 @@ def test_every_patch_of_every_target_has_a_topic(base):
         whole = target_series(target)
         parts = [n for t in TOPICS.names for n, _ in topic_series(whole, t)]
         assert sorted(parts) == sorted(n for n, _ in whole), target
-    for topic in TOPICS.names:
+    for topic in TOPICS.forwarded:
         assert TOPICS.get(topic, "summary") and TOPICS.get(topic, "related"), topic
         assert topic == "cpu-import" or TOPICS.get(topic, "backends"), topic
         assert topic_test_files(topic), topic
+    # The overlay's own topic says why no PR carries it, and has its tests all the same.
+    overlay = [t for t in TOPICS.names if t not in TOPICS.forwarded]
+    assert overlay == ["teardown"] and TOPICS.get("teardown", "not-forwarded")
+    assert topic_test_files("teardown")
 
 
 def test_prerequisites_are_declared_in_merge_order():
@@ -645,7 +657,7 @@ def test_the_export_says_what_to_apply_first_and_check_applies_it(
     )
     assert "check: prerequisite 1/2 dispatcher-state: " in text
     assert "check: prerequisite 2/2 hybridep-groups: " in text
-    assert "check: the PR: 4 patches applied with git am on top" in text
+    assert "check: the PR: 3 patches applied with git am on top" in text
     alone = _shell(checkout, f"git am {out}/*.patch")
     assert alone.returncode != 0, "the PR's own patches applied without its prerequisites"
     _shell(checkout, "git am --abort")
@@ -691,7 +703,7 @@ def test_the_readmes_upstream_example_works_as_written(tmp_path):
     assert applied.returncode == 0, applied.stderr.decode()
     log = subprocess.run(["git", "log", "--format=%s", f"{target_base('main').commit}..HEAD"],
                          cwd=work, capture_output=True, text=True).stdout  # fmt: skip
-    assert log.count("\n") == 4 + sum(len(p) for _, p in prerequisite_exports(out))
+    assert log.count("\n") == 3 + sum(len(p) for _, p in prerequisite_exports(out))
 
 
 @pytest.mark.needs_env("MOE_RELEASE_MEGATRON_LM")
@@ -711,5 +723,41 @@ def test_check_on_the_mirror_applies_the_prerequisites_then_the_pr(
     assert checks[0].startswith("check: prerequisite 1/2 dispatcher-state: ")
     assert checks[0].endswith(f"patches applied with git am to {commit} ({commit[:12]})")
     assert checks[1].startswith("check: prerequisite 2/2 hybridep-groups: ")
-    assert checks[2] == "check: the PR: 4 patches applied with git am on top"
+    assert checks[2] == "check: the PR: 3 patches applied with git am on top"
     assert "note: " not in text  # the mirror is the base: diffs made against it
+
+
+TEARDOWN = "MoE-Take-the-comm-buffers-out-of-use-in-destroy_mode.patch"
+
+
+def test_the_overlays_own_topic_is_no_upstream_pr(tmp_path):
+    """The teardown patch (Forwarded: not-needed, #7029 owns the teardown) is in no PR: the
+    verb refuses its topic, naming why, and writes nothing."""
+    with pytest.raises(UserError, match="overlay's own, no upstream PR: NVIDIA/Megatron-LM#7029"):
+        check_topic("teardown", exported=True)
+    parser_out = tmp_path / "pr"
+    assert cli_main(["upstream", "main", str(parser_out), "--topic", "teardown"]) == 2
+    assert not parser_out.exists()
+
+
+def test_the_teardown_patch_stands_aside_where_7029_landed(base, base_files):
+    """Merged onto a tree whose parallel_state.py already has #7029's stages (TeardownStage),
+    the teardown patch is left out (not applicable, saying why) and every other patch merges as
+    it does without them."""
+    from moe_release.series.applying import NOT_APPLICABLE, Records, merge_series
+    from moe_release.series.merge import series_states
+
+    states = series_states(base_files, read_series(base))
+    path = "megatron/core/parallel_state.py"
+    staged = dict(base_files)
+    staged[path] = base_files[path] + b"\n\nclass TeardownStage:\n    pass\n"
+    at_ref = {p: staged.get(p) for _, before, _ in states for p in before}
+    steps = merge_series(states, at_ref, Records())
+    verdicts = {s.outcome.patch: (s.outcome.verdict, s.outcome.note) for s in steps}
+    assert verdicts[TEARDOWN] == (
+        NOT_APPLICABLE,
+        f"stands aside: {path} has 'class TeardownStage'",
+    ), verdicts[TEARDOWN]
+    assert all(v == "applied" for n, (v, _) in verdicts.items() if n != TEARDOWN), verdicts
+    plain = merge_series(states, {p: base_files.get(p) for p in at_ref}, Records())
+    assert all(s.outcome.verdict == "applied" for s in plain), plain

@@ -2,7 +2,9 @@
 
 """The merge of a whole series onto one commit's files, as ``apply`` and ``sweep`` run it.
 
-Per patch, in order: ``landed`` if REF already holds it (``hunkstate``); else the 3-way merge
+Per patch, in order: ``not applicable`` where REF already has upstream's own form of its topic
+(its ``stands-aside`` text in patches/topics.toml: #7029's teardown stages for the overlay's
+teardown patch); ``landed`` if REF already holds it (``hunkstate``); else the 3-way merge
 (:func:`moe_release.series.merge.merge_patch`) onto REF's files with the earlier patches
 applied; where it conflicts, in this order, the resolution stored for REF itself, a resolution
 recorded at another commit that resolves every conflict of this merge (a record is the diff
@@ -39,6 +41,7 @@ from moe_release.series.merge import (
 )
 from moe_release.series.patches import Patch, patch_stem
 from moe_release.series.probes import failures
+from moe_release.series.topics import load_topics
 
 APPLIED, REPLAYED, LANDED, NOT_APPLICABLE, CONFLICT = (
     "applied",
@@ -141,10 +144,15 @@ def merge_series(
     ours: Files = dict(at_ref)
     steps: list[Step] = []
     failed: dict[str, str] = {}  # file -> the patch that conflicted there
+    topics = load_topics()
     for (patch, before, after), state in zip(states, landed, strict=True):
         out = Outcome(patch.name, APPLIED)
         steps.append(Step(out, {}))
         name = record_name(patch.name)
+        aside = topics.stands_aside(primary_name(patch), ours)
+        if aside is not None:  # REF has upstream's own form of the change
+            out.verdict, out.note = NOT_APPLICABLE, aside
+            continue
         after_conflict = sorted({failed[fp.path] for fp in patch.files if fp.path in failed})
         if state.verdict == "landed":
             out.verdict, out.note = LANDED, state.counts()

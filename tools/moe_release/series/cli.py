@@ -321,7 +321,7 @@ def _cmd_landed(args: argparse.Namespace) -> int:
 
 def _cmd_upstream(args: argparse.Namespace) -> int:
     target_series(args.target)  # bad arguments first, before anything is written
-    check_topic(args.topic)
+    check_topic(args.topic, exported=True)
     outdir = check_target_dir(Path(args.outdir))
     if args.check:
         check_checkout_dir(Path(args.check))

@@ -26,8 +26,14 @@ TOPICS_FILE = "patches/topics.toml"
 # The memory PRs (every topic but the CPU-import fix) as one series, in series order.
 MEMORY = "memory"
 CPU_IMPORT = "cpu-import"
-# The keys a topic's text may have, and those a target may override.
-TEXT_KEYS = ("title", "summary", "related", "backends", "subject", "upstream")
+# The keys a topic's text may have, and those a target may override. ``not-forwarded``: why no
+# upstream PR carries the topic's patches (DEP-3 ``Forwarded: not-needed``): the overlay's own.
+# ``stands-aside``: "PATH: TEXT", a tree whose PATH holds TEXT already has what the topic's
+# patches add (upstream's own form of it): apply leaves them out there.
+TEXT_KEYS = (
+    "title", "summary", "related", "design", "backends", "subject", "upstream", "not-forwarded",
+    "stands-aside",
+)  # fmt: skip
 ON_KEYS = ("title", "summary", "related", "backends", "rename")
 TEST_FILE_KEYS = ("requires", "message")
 
@@ -51,13 +57,18 @@ class Topics:
         return tuple(self.prerequisites)
 
     @property
+    def forwarded(self) -> tuple[str, ...]:
+        """The topics upstream PRs carry (all but the ``not-forwarded`` ones), in merge order."""
+        return tuple(t for t in self.names if "not-forwarded" not in self.text.get(t, {}))
+
+    @property
     def memory(self) -> tuple[str, ...]:
-        """The memory PRs (every topic but the CPU-import fix), in merge order."""
-        return tuple(t for t in self.names if t != CPU_IMPORT)
+        """The memory PRs (every forwarded topic but the CPU-import fix), in merge order."""
+        return tuple(t for t in self.forwarded if t != CPU_IMPORT)
 
     def choices(self) -> tuple[str, ...]:
-        """What ``--topic`` takes: ``memory`` and every topic."""
-        return (MEMORY, *self.names)
+        """What ``--topic`` takes: ``memory`` and every forwarded topic."""
+        return (MEMORY, *self.forwarded)
 
     def closure(self, topic: str) -> tuple[str, ...]:
         """The PRs ``topic`` builds on, directly or through another, in merge order."""
@@ -78,6 +89,18 @@ class Topics:
         """The word changes of exported subjects on ``target``, every topic's."""
         return [tuple(pair) for (_, t), own in self.on.items() if t == target
                 for pair in own.get("rename", [])]  # fmt: skip
+
+    def stands_aside(self, patch: str, files: dict) -> Optional[str]:
+        """Why ``patch`` (a primary patch's name) is left out on a tree of ``files``: its
+        topic's ``stands-aside`` text is in the tree; None where it applies."""
+        rule = self.text.get(self.of_patch.get(patch, ""), {}).get("stands-aside")
+        if not rule:
+            return None
+        path, _, text = rule.partition(": ")
+        data = files.get(path)
+        if data is None or text.encode() not in data:
+            return None
+        return f"stands aside: {path} has {text!r}"
 
     def renamed_topic(self, subject: str) -> Optional[str]:
         """The topic whose patch upstream calls otherwise, if ``subject`` is its patch's."""

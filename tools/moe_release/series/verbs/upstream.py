@@ -165,12 +165,15 @@ def patch_topic(patch: Patch, topics: Topics) -> str:
     raise UserError(f"{patch.name}: belongs to no upstream topic (add it to {TOPICS_FILE})")
 
 
-def check_topic(topic: str, root: Path = REPO_ROOT) -> Topics:
+def check_topic(topic: str, root: Path = REPO_ROOT, exported: bool = False) -> Topics:
     """The topics, once ``topic`` is known to be one (or ``memory``); else a UserError naming
-    them."""
+    them. ``exported``: also one an upstream PR carries (not the overlay's own)."""
     topics = load_topics(root)
-    if topic not in topics.choices():
+    if topic not in (MEMORY, *topics.names):
         raise UserError(f"unknown topic {topic!r} (one of {', '.join(topics.choices())})")
+    if exported and topic not in topics.choices():
+        why = topics.get(topic, "not-forwarded")
+        raise UserError(f"topic {topic!r} is the overlay's own, no upstream PR: {why}")
     return topics
 
 
@@ -183,7 +186,7 @@ def topic_series(
     out = []
     for name, data in series:
         mine = patch_topic(parse_patch(data, name), topics)
-        if mine == topic or (topic == MEMORY and mine != CPU_IMPORT):
+        if mine == topic or (topic == MEMORY and mine in topics.memory):
             out.append((name, data))
     return out
 
@@ -590,6 +593,11 @@ def pr_description(target: str, topic: str, series: list, root: Path = REPO_ROOT
         "",
         f"Linked issue: {related}",
         "",
+    ]
+    design = topics.get(topic, "design", target)
+    if design:  # how the change fits what upstream and its peers already do
+        out += ["## Design", "", design, ""]
+    out += [
         "## Contribution process",
         "",
         "### Pre-checks",
