@@ -42,13 +42,14 @@ ROWS = {
     "dispatcher-state": "Release-all-gather-dispatcher-state",
     "a2a-overlap": "A2A-overlap-release-the-chunk-state",
     "hybridep-groups": "Keep-one-HybridEP-buffer",
+    "comm-buffers": "Release-NCCL-EP",
     "series": None,
     "hybridep-groups+comm-buffers": [
         "import-and-build",
         "Keep-one-HybridEP-buffer",
-        "Release-the-HybridEP-and-DeepEP-buffers",
-        "Destroy-the-DeepEP-buffer-explicitly",
+        "Free-the-HybridEP-and-DeepEP-buffers",
         "Release-NCCL-EP",
+        "Take-the-comm-buffers-out-of-use",
     ],
 }
 

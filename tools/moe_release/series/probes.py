@@ -150,13 +150,29 @@ LAYER_STATE_PATCH = "MoE-A2A-overlap-release-the-layer-state-s-probs-and-.patch"
 
 def elastic_buffer_kept(files: Files) -> Optional[str]:
     """comm-buffers: where fused_a2a builds DeepEP v2's ``ElasticBuffer``, it builds it with
-    ``explicitly_destroy=True`` (no destroy from a finalizer) and keeps the buffer it replaces
-    (passes the old one on before rebinding it) for the backwards still to run on it."""
+    ``explicitly_destroy=True`` (no destroy from a finalizer), and never rebinds
+    ``_elastic_buffer`` to a new one without keeping the buffer it replaces (which a pending
+    backward may still use) first."""
     module = _tree(files, FUSED_A2A)
     if module is None:
         return None
+    for node in sorted(
+        (n for n in ast.walk(module) if isinstance(n, ast.Call)),
+        key=lambda n: (n.lineno, n.col_offset),
+    ):
+        if not (isinstance(node.func, ast.Name) and node.func.id == "ElasticBuffer"):
+            continue
+        explicit = any(
+            k.arg == "explicitly_destroy"
+            and isinstance(k.value, ast.Constant)
+            and k.value.value is True
+            for k in node.keywords
+        )
+        if not explicit:
+            return (f"{FUSED_A2A}:{node.lineno} builds ElasticBuffer without "
+                    "explicitly_destroy=True (destroyed from a finalizer)")  # fmt: skip
     for fn in (n for n in ast.walk(module) if isinstance(n, ast.FunctionDef)):
-        kept = False
+        kept = False  # the buffer being replaced was passed on (kept) before the rebinding
         for node in sorted(
             (n for n in ast.walk(fn) if isinstance(n, (ast.Assign, ast.Call))),
             key=lambda n: (n.lineno, n.col_offset),
@@ -165,29 +181,20 @@ def elastic_buffer_kept(files: Files) -> Optional[str]:
                 isinstance(a, ast.Name) and a.id == "_elastic_buffer" for a in node.args
             ):
                 kept = True
-            if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
-                continue
-            call = node.value
-            if not (isinstance(call.func, ast.Name) and call.func.id == "ElasticBuffer"):
-                continue
-            if not any(isinstance(t, ast.Name) and t.id == "_elastic_buffer" for t in node.targets):
-                continue
-            explicit = any(
-                k.arg == "explicitly_destroy"
-                and isinstance(k.value, ast.Constant)
-                and k.value.value is True
-                for k in call.keywords
-            )
-            if not explicit:
-                return (f"{FUSED_A2A}:{node.lineno} builds ElasticBuffer without "
-                        "explicitly_destroy=True (destroyed from a finalizer)")  # fmt: skip
-            if not kept:
+            if (
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Call)
+                and isinstance(node.value.func, ast.Name)
+                and node.value.func.id == "ElasticBuffer"
+                and any(isinstance(t, ast.Name) and t.id == "_elastic_buffer" for t in node.targets)
+                and not kept
+            ):
                 return (f"{FUSED_A2A}:{node.lineno} rebinds _elastic_buffer and drops the buffer "
                         "it replaces, which a pending backward may still use")  # fmt: skip
     return None
 
 
-DEEPEP_V2_PATCH = "MoE-Destroy-the-DeepEP-buffer-explicitly-the-old-one.patch"
+DEEPEP_V2_PATCH = "MoE-Free-the-HybridEP-and-DeepEP-buffers-only-by-an-.patch"
 PROBES = (
     Probe(
         "cpu-import",

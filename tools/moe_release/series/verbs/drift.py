@@ -23,25 +23,25 @@ Files = Mapping[str, Optional[bytes]]
 
 # (series directory, "path::qualname") -> why that series does not end with that definition, or
 # ends with a different one. Every entry is a reason a reviewer can check on that branch.
-_DEV_V2 = "dev also has DeepEP v2's module-global _elastic_buffer, which these hold and release"
+_DEV_V2 = "dev also has DeepEP v2's buffers (a third _BufferTable), which these hold and release"
 _BUFFERS = "megatron/core/transformer/moe/fused_a2a.py::"
-_DEV_V2_PENDING = (
-    "dev's replaced DeepEP v2 buffers wait for the backwards still to run on them (counted per "
-    "buffer): freeing one drops its count, and the release takes v2's buffer out of use too"
-)
 _DISPATCHER = "megatron/core/transformer/moe/token_dispatcher.py::"
 _NO_NCCL_EP = "this branch has no NCCL EP (moe_flex_dispatcher_backend: 'deepep', 'hybridep')"
-_NCCL_EP_RELEASE = ("_note_nccl_ep_capture", "is_nccl_ep_bootstrapped", "reset_fused_a2a_buffers")
+_NCCL_EP_RELEASE = (
+    "_note_nccl_ep_capture",
+    "is_nccl_ep_bootstrapped",
+    "_NCCLEPContext.identity",
+    "_graph_use",
+    "reset_fused_a2a_buffers",
+)
 NOT_CARRIED: dict[tuple[str, str], str] = {
-    ("patches/upstream/dev", _BUFFERS + "_held_comm_buffers"): _DEV_V2,
-    ("patches/upstream/dev", _BUFFERS + "reset_deep_ep_buffer"): _DEV_V2,
-    ("patches/upstream/dev", _BUFFERS + "reset_fused_a2a_buffers"): _DEV_V2_PENDING,
-    ("patches/upstream/dev", _BUFFERS + "_free_released_buffers"): _DEV_V2_PENDING,
+    ("patches/upstream/dev", _BUFFERS + "reset_fused_a2a_buffers"): _DEV_V2,
     ("patches/upstream/dev", _DISPATCHER + "nccl_ep_release_context"): (
         "dev's NCCL EP manager has no zero-copy buffers: its release only finalizes the context"
     ),
     ("patches/upstream/main", _BUFFERS + "is_nccl_ep_bootstrapped"): (
-        "main has its own (TE's is_ep_bootstrapped where TE has it), which the series calls"
+        "main has its own (TE's is_ep_bootstrapped where TE has it), which the series extends "
+        "by the EP group"
     ),
     ("patches/upstream/main", _DISPATCHER + "nccl_ep_release_context"): (
         "main has its own (paged stash's rerun calls it), which the series calls"
@@ -55,7 +55,7 @@ NOT_CARRIED: dict[tuple[str, str], str] = {
     ),
 }
 # The release branches before 0.19 carry none of NCCL EP's release (reset_fused_a2a_buffers
-# there is the primary's without its NCCL EP part).
+# and _graph_use there are the primary's without their NCCL EP part).
 for _series in (
     "patches/backports/core_r0.18.0",
     "patches/backports/core_r0.18.0@0.18.0",
