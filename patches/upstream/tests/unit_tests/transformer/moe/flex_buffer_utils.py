@@ -4,8 +4,8 @@
 (test_hybrid_ep_buffer_per_group.py, test_fused_a2a_release_comm_buffers.py): a small bf16
 MoELayer on the flex dispatcher with local (non-TE) experts whose weights are seeded by their
 global index, so that a token sent to the wrong rank changes the result; its input, forward and
-backward; a bitwise comparison of two runs; the release of the buffers between steps; and the
-setup and teardown of tests that use parallel_state's EP groups and a second model's.
+backward; a bitwise comparison of two runs; and the setup and teardown of tests that use
+parallel_state's EP groups and a second model's.
 """
 
 import dataclasses
@@ -132,30 +132,19 @@ def assert_bitwise_equal(actual: dict, expected: dict, what: str) -> None:
         assert torch.equal(actual["grads"][name], grad), f"rank {rank}: {what}: {name}.grad"
 
 
-def release_buffers() -> None:
-    """Release the buffers, or where reset_fused_a2a_buffers() does not exist (a commit before
-    the communication-buffer lifecycle, e.g. when bisecting), synchronize and drop them."""
-    reset = getattr(fused_a2a, "reset_fused_a2a_buffers", None)
-    if reset is not None:
-        reset(collective=True, graphs_released=True)
-        return
-    torch.cuda.synchronize()
-    torch.distributed.barrier()
-    fused_a2a.reset_hybrid_ep_buffer()
-    fused_a2a._buffer = None
-    if hasattr(fused_a2a, "nccl_ep_finalize"):
-        fused_a2a.nccl_ep_finalize()
-
-
 class TwoEPGroups:
     """Setup and teardown of the tests that use parallel_state's groups and a second model's:
-    the buffers are released, the extra groups destroyed, the model-parallel state torn down."""
+    the buffers taken out of use (release_buffers), the extra groups destroyed, the
+    model-parallel state torn down."""
 
     def setup_method(self, method):
         self.groups = []
 
+    def release_buffers(self):
+        fused_a2a.reset_hybrid_ep_buffer()
+
     def teardown_method(self, method):
-        release_buffers()
+        self.release_buffers()
         for group in self.groups:
             torch.distributed.destroy_process_group(group)
         Utils.destroy_model_parallel()

@@ -1,30 +1,21 @@
 # Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
 
-"""The flex dispatcher's communication buffers have a lifecycle: released collectively by
-fused_a2a.reset_fused_a2a_buffers(), without waiting on any peer by destroy_model_parallel(),
-DeepEP's destroyed explicitly, NCCL EP's context released with them (HybridEP's buffer per
-process group: test_hybrid_ep_buffer_per_group.py).
-
-The HybridEP and DeepEP buffers are module globals allocated outside PyTorch's caching
-allocator, so torch.cuda.empty_cache() cannot return their memory:
-
-* reset_fused_a2a_buffers() frees them after a barrier on every buffer's group (in one order on
-  every rank), not while a CUDA graph that captured a dispatch may still replay (unless
-  graphs_released=True); the next dispatch re-creates the buffer it needs and gives the same
-  results.
-* destroy_model_parallel() waits on no peer: it drops the HybridEP buffers and takes DeepEP's
-  out of use; the next dispatch destroys it (collective) before allocating its replacement.
-* DeepEP's buffer is built with explicitly_destroy where deep_ep supports it and destroyed only
-  where every rank of its group arrives together.
-* NCCL EP's process-wide context (TransformerEngine serves one EP group per process) is
-  released by the collective call, and a model on another EP group is refused until then
-  instead of dispatching over the bootstrapped group's communicator.
+"""The flex dispatcher's communication buffers are freed only by an explicit, agreed call:
+fused_a2a.reset_fused_a2a_buffers(collective=True, group=G), made by every rank of G on its main
+thread between steps. The ranks first exchange what each holds, then every rank takes the same
+decision: a buffer every peer holds is freed (DeepEP's by its destroy(), HybridEP's by its last
+reference), one a peer no longer holds is leaked, and while an autograd graph still uses a
+buffer every rank raises and nothing is freed. Nothing else frees a buffer: DeepEP's are built
+with explicitly_destroy, a buffer replaced by a larger one stays referenced, and
+reset_fused_a2a_buffers() with no arguments (what a teardown calls) takes the buffers out of use
+and waits on nobody. NCCL EP's process-wide context is released the same way (TransformerEngine
+serves one EP group per process; a model on another group is refused until then).
 """
 
 import copy
 import functools
-import gc
 import inspect
+import threading
 import weakref
 
 import pytest
@@ -36,72 +27,63 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from tests.unit_tests.test_utilities import Utils
 from tests.unit_tests.transformer.moe.flex_buffer_utils import (
     HIDDEN_SIZE,
-    MICRO_BATCH,
-    NUM_EXPERTS,
-    SEQ_LEN,
     TwoEPGroups,
     assert_bitwise_equal,
     build_moe_layer,
     forward_backward,
     make_input,
+    run_backward,
     run_forward,
     skip_unless,
 )
 
-
-def _nccl_ep_group():
-    """The EP group NCCL EP is bootstrapped on (as fused_a2a recorded it), or None."""
-    if not getattr(fused_a2a, "HAVE_TE_EP", False) or not hasattr(fused_a2a, "_nccl_ep_group"):
-        return None
-    return fused_a2a._nccl_ep_group if fused_a2a.is_nccl_ep_bootstrapped() else None
+WORLD = torch.distributed.group.WORLD
 
 
-def _held_buffer(backend: str):
+def _in_use(backend: str):
     """This rank's HybridEP buffer (of its one EP group), DeepEP buffer, or NCCL EP's group
     (while its context is bootstrapped), or None."""
     if backend == "ncclep":
-        return _nccl_ep_group()
+        bootstrapped = fused_a2a.is_nccl_ep_bootstrapped()
+        return fused_a2a._nccl_ep_group if bootstrapped else None
     if backend == "hybridep":
         return fused_a2a.get_hybrid_ep_buffer(None)  # the only one; raises if there are several
     return fused_a2a._buffer
 
 
-def _held_buffers() -> list:
-    """Every HybridEP buffer and the DeepEP buffer this rank holds in use."""
-    held = [fused_a2a._hybrid_ep_buffer, *fused_a2a._hybrid_ep_buffers.values(), fused_a2a._buffer]
-    return [b for b in held if b is not None]
+def _freed(buffer) -> bool:
+    """Whether ``buffer`` gave its memory back: DeepEP's by destroy() (its runtime dropped),
+    HybridEP's with its last reference (``buffer`` is a weakref to it)."""
+    held = buffer()
+    return held is None or getattr(held, "runtime", True) is None
 
 
-class _CapturingCuda:
-    """torch.cuda as fused_a2a sees it while a CUDA graph capture is (said to be) in progress."""
+def _record_deep_ep_buffers(monkeypatch) -> list:
+    """deep_ep's Buffer in fused_a2a replaced by a subclass logging "create <n>" and
+    "destroy <n>" for the n-th buffer."""
+    real_buffer = fused_a2a.Buffer
+    events = []
 
-    def __getattr__(self, name):
-        return getattr(torch.cuda, name)
+    class RecordingBuffer(real_buffer):
+        @functools.wraps(real_buffer.__init__)  # get_buffer() inspects the signature
+        def __init__(self, *args, **kwargs):
+            self.test_index = sum(e.startswith("create") for e in events)
+            events.append(f"create {self.test_index}")
+            super().__init__(*args, **kwargs)
 
-    @staticmethod
-    def is_available() -> bool:
-        return True
+        def destroy(self):
+            events.append(f"destroy {self.test_index}")
+            super().destroy()
 
-    @staticmethod
-    def is_current_stream_capturing() -> bool:
-        return True
-
-
-class _CapturingTorch:
-    """torch for fused_a2a during a simulated capture: only its torch.cuda answers differ, so
-    the rest of megatron-core runs as usual."""
-
-    cuda = _CapturingCuda()
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
+    monkeypatch.setattr(fused_a2a, "Buffer", RecordingBuffer)
+    return events
 
 
-def test_reset_fused_a2a_buffers_is_idempotent_without_buffers():
+def test_no_argument_release_is_idempotent_without_buffers():
     """The release that waits on nobody: safe before any dispatch, any number of times, with no
     process group."""
-    fused_a2a.reset_fused_a2a_buffers()
-    fused_a2a.reset_fused_a2a_buffers()
+    assert fused_a2a.reset_fused_a2a_buffers() is None
+    assert fused_a2a.reset_fused_a2a_buffers() is None
     assert fused_a2a.get_hybrid_ep_buffer(None) is None
     assert fused_a2a._buffer is None
 
@@ -113,47 +95,172 @@ def test_reset_fused_a2a_buffers_is_idempotent_without_buffers():
     reason="Deep EP, Hybrid EP and NCCL EP are not available",
 )
 class TestFusedA2ACommBuffers(TwoEPGroups):
+    def release_buffers(self):
+        fused_a2a.reset_fused_a2a_buffers(collective=True, group=WORLD, graphs_released=True)
+
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
     @pytest.mark.parametrize("moe_flex_dispatcher_backend", ["deepep", "hybridep", "ncclep"])
     def test_release_and_recreate(self, moe_flex_dispatcher_backend):
-        """A release between steps frees the buffer; the next step re-creates it and gives
-        bitwise the same outputs and gradients."""
+        """The explicit release between steps frees the buffer and says so; the next step
+        re-creates it and gives bitwise the same outputs and gradients."""
         backend = moe_flex_dispatcher_backend
         skip_unless(backend)
         Utils.initialize_model_parallel(expert_model_parallel_size=8)
         layer = build_moe_layer(backend)
         inp = make_input()
         first = forward_backward(layer, inp)
-        buffer = _held_buffer(backend)
+        buffer = _in_use(backend)
         assert buffer is not None, f"no {backend} buffer after a dispatch"
         # NCCL EP's "buffer" is its group, which parallel_state keeps.
         buffer_ref = weakref.ref(buffer) if backend != "ncclep" else lambda: None
         del buffer
 
-        fused_a2a.reset_fused_a2a_buffers(collective=True)
-        gc.collect()
-        assert _held_buffer(backend) is None, f"the {backend} buffer outlives the release"
-        assert buffer_ref() is None, f"the released {backend} buffer is still referenced"
+        release = fused_a2a.reset_fused_a2a_buffers(collective=True, group=WORLD)
+        assert release.freed == {backend: 1}, f"the release says it freed {release.freed}"
+        assert release.leaked == [] and release.left == [], release
+        assert _in_use(backend) is None, f"the {backend} buffer outlives the release"
+        assert _freed(buffer_ref), f"the released {backend} buffer was not freed"
 
         second = forward_backward(layer, inp)
-        assert _held_buffer(backend) is not None, "the next dispatch did not re-create the buffer"
+        assert _in_use(backend) is not None, "the next dispatch did not re-create the buffer"
         # Deterministic kernels on the same inputs: bitwise equal, not merely close.
         assert_bitwise_equal(second, first, "after a release")
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
-    @pytest.mark.parametrize("moe_flex_dispatcher_backend", ["deepep", "hybridep", "ncclep"])
-    def test_destroy_model_parallel_releases(self, moe_flex_dispatcher_backend):
+    @pytest.mark.parametrize("moe_flex_dispatcher_backend", ["deepep", "hybridep"])
+    def test_release_refuses_while_a_graph_uses_a_buffer(self, moe_flex_dispatcher_backend):
+        """Between a forward and its backward the release raises on every rank and frees
+        nothing; the backward then runs bitwise as without the attempt."""
         backend = moe_flex_dispatcher_backend
         skip_unless(backend)
         Utils.initialize_model_parallel(expert_model_parallel_size=8)
         layer = build_moe_layer(backend)
-        forward_backward(layer, make_input())
-        assert _held_buffer(backend) is not None, f"no {backend} buffer after a dispatch"
-        del layer
-        Utils.destroy_model_parallel()
-        assert _held_buffer(backend) is None, f"the {backend} buffer outlives its groups"
+        inp = make_input()
+        expected = forward_backward(layer, inp)
+        x, out = run_forward(layer, inp)
+        buffer_ref = weakref.ref(_in_use(backend))
+        with pytest.raises(RuntimeError, match="autograd graph"):
+            fused_a2a.reset_fused_a2a_buffers(collective=True, group=WORLD)
+        assert _in_use(backend) is buffer_ref() and not _freed(buffer_ref)
+        assert_bitwise_equal(run_backward(layer, x, out), expected, "after a refused release")
+        del x, out
+        release = fused_a2a.reset_fused_a2a_buffers(collective=True, group=WORLD)
+        assert release.freed == {backend: 1} and _freed(buffer_ref), release
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+    @pytest.mark.internal
+    def test_release_needs_a_group_and_the_main_thread(self):
+        """Without a group, or on another thread, the release raises before any collective."""
+        skip_unless("hybridep")
+        Utils.initialize_model_parallel(expert_model_parallel_size=8)
+        forward_backward(build_moe_layer("hybridep"), make_input())
+        with pytest.raises(ValueError, match="needs group="):
+            fused_a2a.reset_fused_a2a_buffers(collective=True)
+        errors = []
+
+        def release():
+            try:
+                fused_a2a.reset_fused_a2a_buffers(collective=True, group=WORLD)
+            except RuntimeError as exc:
+                errors.append(str(exc))
+
+        thread = threading.Thread(target=release)
+        thread.start()
+        thread.join()
+        assert errors and "main thread" in errors[0], errors
+        assert _in_use("hybridep") is not None
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+    @pytest.mark.internal
+    def test_no_argument_release_waits_on_nobody_and_frees_nothing(self, monkeypatch):
+        """reset_fused_a2a_buffers() runs no collective and frees no buffer, so a peer that never
+        gets there cannot hold it: the buffers are taken out of use; the next dispatch of a group
+        of the same ranks takes its buffer back."""
+        skip_unless("hybridep")
+        Utils.initialize_model_parallel(expert_model_parallel_size=8)
+        layer = build_moe_layer("hybridep")
+        first = forward_backward(layer, make_input())
+        buffer_ref = weakref.ref(_in_use("hybridep"))
+
+        def no_collective(*args, **kwargs):
+            raise AssertionError("reset_fused_a2a_buffers() waited for its peers")
+
+        with monkeypatch.context() as m:
+            m.setattr(torch.distributed, "barrier", no_collective)
+            m.setattr(torch.distributed, "all_gather_object", no_collective)
+            fused_a2a.reset_fused_a2a_buffers()
+        assert _in_use("hybridep") is None and not _freed(buffer_ref)
+        assert_bitwise_equal(forward_backward(layer, make_input()), first, "taken back")
+        assert _in_use("hybridep") is buffer_ref(), "the next dispatch did not take it back"
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+    @pytest.mark.internal
+    def test_release_frees_what_each_rank_holds(self):
+        """HybridEP buffers on two EP groups per rank and the DeepEP buffer (each backend where
+        installed): ranks holding buffers of different groups take one decision and free all."""
+        if not fused_a2a.HAVE_HYBRIDEP and not fused_a2a.HAVE_DEEP_EP:
+            pytest.skip("needs Hybrid EP or Deep EP (buffers to hold)")
+        group_a, group_b = self.two_ep_groups()
+        made = {}
+        if fused_a2a.HAVE_HYBRIDEP:
+            for group in (group_a, group_b):
+                # By keyword: core_r0.17.0 requires these three, later branches default them.
+                fused_a2a.init_hybrid_ep_buffer(
+                    group, HIDDEN_SIZE, 32, 2,
+                    num_sms_dispatch_api=16, num_sms_combine_api=16, fp8_dispatch=False,
+                )  # fmt: skip
+            made["hybridep"] = 2
+        if fused_a2a.HAVE_DEEP_EP:
+            fused_a2a.get_buffer(group_a, HIDDEN_SIZE * 2)
+            made["deepep"] = 1
+        release = fused_a2a.reset_fused_a2a_buffers(collective=True, group=WORLD)
+        assert release.freed == made and release.leaked == [] and release.left == [], release
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+    @pytest.mark.internal
+    def test_deep_ep_buffer_built_with_explicitly_destroy(self):
+        skip_unless("deepep")
+        if "explicitly_destroy" not in inspect.signature(fused_a2a.Buffer.__init__).parameters:
+            pytest.skip("deep_ep's Buffer has no explicitly_destroy")
+        Utils.initialize_model_parallel(expert_model_parallel_size=8)
+        group = parallel_state.get_expert_model_parallel_group()
+        buffer = fused_a2a.get_buffer(group, HIDDEN_SIZE * 2)
+        assert getattr(
+            buffer, "explicitly_destroy", False
+        ), "get_buffer() built the DeepEP buffer without explicitly_destroy=True"
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+    @pytest.mark.internal
+    def test_deep_ep_growth_keeps_the_old_buffer_for_the_release(self, monkeypatch):
+        """A larger buffer needed destroys nothing inside the dispatch (destroy() is
+        collective); the explicit release destroys both, each exactly once."""
+        skip_unless("deepep")
+        Utils.initialize_model_parallel(expert_model_parallel_size=8)
+        group = parallel_state.get_expert_model_parallel_group()
+        events = _record_deep_ep_buffers(monkeypatch)
+        fused_a2a.get_buffer(group, HIDDEN_SIZE)
+        fused_a2a.get_buffer(group, HIDDEN_SIZE * 2)  # larger: a replacement
+        assert events == ["create 0", "create 1"], f"the replacement destroyed a buffer: {events}"
+        release = fused_a2a.reset_fused_a2a_buffers(collective=True, group=WORLD)
+        assert sorted(events[2:]) == ["destroy 0", "destroy 1"], events
+        assert release.freed == {"deepep": 2}, release
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+    @pytest.mark.internal
+    def test_release_destroys_deep_ep_buffer_while_referenced(self, monkeypatch):
+        """The release frees the DeepEP buffer by destroy(), not whenever its last reference
+        goes (here one is still alive)."""
+        skip_unless("deepep")
+        Utils.initialize_model_parallel(expert_model_parallel_size=8)
+        group = parallel_state.get_expert_model_parallel_group()
+        events = _record_deep_ep_buffers(monkeypatch)
+        buffer = fused_a2a.get_buffer(group, HIDDEN_SIZE * 2)
+        fused_a2a.reset_fused_a2a_buffers(collective=True, group=WORLD)
+        assert fused_a2a._buffer is None
+        assert events == ["create 0", "destroy 0"], f"no destroy() of the DeepEP buffer: {events}"
+        assert buffer.runtime is None
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
@@ -169,238 +276,23 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
         layers = {"A": build_moe_layer("ncclep"), "B": build_moe_layer("ncclep", pgc_b)}
         inputs = {"A": make_input(1000), "B": make_input(2000)}
         alone = forward_backward(layers["B"], inputs["B"])
-        fused_a2a.reset_fused_a2a_buffers(collective=True)
+        fused_a2a.reset_fused_a2a_buffers(collective=True, group=WORLD)
 
         forward_backward(layers["A"], inputs["A"])
         with pytest.raises(RuntimeError, match="reset_fused_a2a_buffers"):
             run_forward(layers["B"], inputs["B"])
-        fused_a2a.reset_fused_a2a_buffers(collective=True)
+        fused_a2a.reset_fused_a2a_buffers(collective=True, group=WORLD)
         after = forward_backward(layers["B"], inputs["B"])
         assert_bitwise_equal(after, alone, "layer B after the release")
-        assert _nccl_ep_group() is layers["B"].token_dispatcher.tp_ep_group
-
-    def _hold_buffers_on_two_groups(self):
-        """HybridEP buffers on this rank's two EP groups and the DeepEP buffer on the first
-        (each backend where installed); returns the two groups."""
-        group_a, group_b = self.two_ep_groups()
-        self._hold_buffers(group_a, group_b)
-        return group_a, group_b
-
-    @staticmethod
-    def _hold_buffers(group_a, *others):
-        """HybridEP buffers on each group and the DeepEP buffer on the first."""
-        if not fused_a2a.HAVE_HYBRIDEP and not fused_a2a.HAVE_DEEP_EP:
-            pytest.skip("needs Hybrid EP or Deep EP (buffers to hold)")
-        num_tokens = SEQ_LEN * MICRO_BATCH
-        if fused_a2a.HAVE_HYBRIDEP:
-            for group in (group_a, *others):
-                # By keyword: core_r0.17.0 requires these three, later branches default them.
-                fused_a2a.init_hybrid_ep_buffer(
-                    group,
-                    HIDDEN_SIZE,
-                    num_tokens,
-                    NUM_EXPERTS // 4,
-                    num_sms_dispatch_api=16,
-                    num_sms_combine_api=16,
-                    fp8_dispatch=False,
-                )
-        if fused_a2a.HAVE_DEEP_EP:
-            fused_a2a.get_buffer(group_a, HIDDEN_SIZE * 2)
+        assert _in_use("ncclep") is layers["B"].token_dispatcher.tp_ep_group
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
-    def test_collective_reset_barriers_before_freeing(self, monkeypatch):
-        """reset_fused_a2a_buffers(collective=True) is a collective over the world (or the group
-        given): one barrier, while every buffer is still held, then it frees them all. One
-        barrier on one group, whatever each rank holds: ranks holding buffers of different groups
-        cannot wait for each other on different ones."""
-        self._hold_buffers_on_two_groups()
-        refs = [weakref.ref(b) for b in _held_buffers()]
-        barriers = []
-        real_barrier = torch.distributed.barrier
-
-        def recording_barrier(*args, **kwargs):
-            barriers.append((kwargs.get("group", args[0] if args else None), len(_held_buffers())))
-            return real_barrier(*args, **kwargs)
-
-        with monkeypatch.context() as m:
-            m.setattr(torch.distributed, "barrier", recording_barrier)
-            fused_a2a.reset_fused_a2a_buffers(collective=True)
-        gc.collect()
-        assert refs, "no buffer held"
-        assert barriers == [(None, len(refs))], f"barriers (group, buffers held): {barriers}"
-        assert not _held_buffers() and all(r() is None for r in refs), "buffers left after reset"
-
-    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
-    @pytest.mark.internal
-    def test_destroy_model_parallel_waits_on_no_peer(self, monkeypatch):
-        """destroy_model_parallel() runs no collective for the buffers and frees none, so a peer
-        that never reaches the teardown (stuck in a collective, or a test that failed on its
-        rank) cannot hold it: the buffers are taken out of use, for the next dispatch to free."""
-        Utils.initialize_model_parallel(expert_model_parallel_size=4)
-        events = self._record_deep_ep_buffers(monkeypatch) if fused_a2a.HAVE_DEEP_EP else []
-        self._hold_buffers(parallel_state.get_expert_model_parallel_group())
-        refs = [weakref.ref(b) for b in _held_buffers()]
-
-        def no_barrier(*args, **kwargs):
-            raise AssertionError("destroy_model_parallel() waited for its peers")
-
-        with monkeypatch.context() as m:
-            m.setattr(torch.distributed, "barrier", no_barrier)
-            parallel_state.destroy_model_parallel()
-        Utils.inited = False  # torn down here, without Utils' barrier
-        gc.collect()
-        assert not _held_buffers() and refs, "a buffer is still in use after the teardown"
-        assert all(r() is not None for r in refs), "the teardown freed a buffer"
-        assert "destroy 0" not in events, f"the teardown destroyed the DeepEP buffer: {events}"
-        fused_a2a.reset_fused_a2a_buffers(collective=True)  # every peer is here in this test
-
-    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
-    @pytest.mark.internal
-    def test_next_dispatch_destroys_what_the_teardown_left(self, monkeypatch):
-        """The DeepEP buffer a teardown took out of use is destroyed by the next dispatch, on the
-        new groups, before its replacement is allocated: a re-initialization (or an in-process
-        restart) never holds two."""
-        skip_unless("deepep")
+    def test_destroy_model_parallel_finalizes_nccl_ep(self):
+        """Upstream's teardown finalizes NCCL EP's context; the series keeps that."""
+        skip_unless("ncclep")
         Utils.initialize_model_parallel(expert_model_parallel_size=8)
-        events = self._record_deep_ep_buffers(monkeypatch)
-        fused_a2a.get_buffer(parallel_state.get_expert_model_parallel_group(), HIDDEN_SIZE)
+        forward_backward(build_moe_layer("ncclep"), make_input())
+        assert _in_use("ncclep") is not None, "no NCCL EP context after a dispatch"
         Utils.destroy_model_parallel()
-        assert events == ["create 0"], events
-        Utils.initialize_model_parallel(expert_model_parallel_size=8)
-        fused_a2a.get_buffer(parallel_state.get_expert_model_parallel_group(), HIDDEN_SIZE)
-        want = ["create 0", "destroy 0", "create 1"]
-        if not self._explicitly_destroy_supported():  # dropped: its destructor destroys it
-            want = ["create 0", "create 1"]
-        assert events == want, f"the buffer the teardown left, before its replacement: {events}"
-
-    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
-    @pytest.mark.internal
-    # DeepEP's normal-mode dispatch waits on the host: a CUDA graph never captures it.
-    @pytest.mark.parametrize("moe_flex_dispatcher_backend", ["hybridep", "ncclep"])
-    def test_reset_refuses_while_a_captured_dispatch_may_replay(
-        self, moe_flex_dispatcher_backend, monkeypatch
-    ):
-        """A CUDA graph that captured a dispatch keeps raw pointers into the buffer: the release
-        raises, naming the fix, and keeps the buffer; graphs_released=True frees it."""
-        backend = moe_flex_dispatcher_backend
-        skip_unless(backend)
-        Utils.initialize_model_parallel(expert_model_parallel_size=8)
-        layer = build_moe_layer(backend)
-        inp = make_input()
-        with torch.no_grad():
-            layer(inp)  # warm-up, outside any capture
-            with monkeypatch.context() as m:
-                m.setattr(fused_a2a, "torch", _CapturingTorch())
-                layer(inp)  # "captured"
-        with pytest.raises(RuntimeError, match="graphs_released=True"):
-            fused_a2a.reset_fused_a2a_buffers(collective=True)
-        buffer = _held_buffer(backend)
-        assert buffer is not None, f"the refused release dropped the {backend} buffer"
-        buffer_ref = weakref.ref(buffer) if backend != "ncclep" else lambda: None
-        del buffer
-
-        fused_a2a.reset_fused_a2a_buffers(collective=True, graphs_released=True)
-        gc.collect()
-        assert _held_buffer(backend) is None and buffer_ref() is None
-
-    @staticmethod
-    def _record_deep_ep_buffers(monkeypatch) -> list:
-        """Replace deep_ep's Buffer in fused_a2a by a subclass that logs "create <n>" as the n-th
-        buffer's construction starts (with "(old live)" while the previous buffer is neither
-        destroyed nor collected) and "destroy <n>" as its destroy() starts."""
-        real_buffer = fused_a2a.Buffer
-        events, refs = [], []
-
-        class RecordingBuffer(real_buffer):
-            @functools.wraps(real_buffer.__init__)  # get_buffer() inspects the signature
-            def __init__(self, *args, **kwargs):
-                old = refs[-1]() if refs else None
-                old_live = old is not None and not old.test_destroyed
-                del old
-                self.test_index, self.test_destroyed = len(refs), False
-                events.append(f"create {self.test_index}" + (" (old live)" if old_live else ""))
-                refs.append(weakref.ref(self))
-                super().__init__(*args, **kwargs)
-
-            def destroy(self):
-                events.append(f"destroy {self.test_index}")
-                self.test_destroyed = True
-                super().destroy()
-
-        monkeypatch.setattr(fused_a2a, "Buffer", RecordingBuffer)
-        return events
-
-    @staticmethod
-    def _explicitly_destroy_supported() -> bool:
-        return "explicitly_destroy" in inspect.signature(fused_a2a.Buffer.__init__).parameters
-
-    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
-    @pytest.mark.internal
-    def test_deep_ep_buffer_built_with_explicitly_destroy(self):
-        skip_unless("deepep")
-        if not self._explicitly_destroy_supported():
-            pytest.skip("deep_ep's Buffer has no explicitly_destroy")
-        Utils.initialize_model_parallel(expert_model_parallel_size=8)
-        group = parallel_state.get_expert_model_parallel_group()
-        buffer = fused_a2a.get_buffer(group, HIDDEN_SIZE * 2)
-        assert getattr(
-            buffer, "explicitly_destroy", False
-        ), "get_buffer() built the DeepEP buffer without explicitly_destroy=True"
-
-    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
-    @pytest.mark.internal
-    def test_deep_ep_buffer_destroyed_before_its_replacement(self, monkeypatch):
-        """Growth frees the old buffer (by destroy(), where deep_ep has explicitly_destroy)
-        before the larger one is allocated, so the two are never held at once."""
-        skip_unless("deepep")
-        Utils.initialize_model_parallel(expert_model_parallel_size=8)
-        group = parallel_state.get_expert_model_parallel_group()
-        events = self._record_deep_ep_buffers(monkeypatch)
-        fused_a2a.get_buffer(group, HIDDEN_SIZE)
-        fused_a2a.get_buffer(group, HIDDEN_SIZE * 2)  # larger: a replacement
-        assert events[0] == "create 0" and events[-1].startswith("create 1"), events
-        assert (
-            events[-1] == "create 1"
-        ), f"the old DeepEP buffer was still live when its replacement was created: {events}"
-        if self._explicitly_destroy_supported():
-            assert events == ["create 0", "destroy 0", "create 1"], events
-
-    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
-    @pytest.mark.internal
-    def test_reset_destroys_deep_ep_buffer_while_referenced(self, monkeypatch):
-        """The release frees the DeepEP buffer by destroy(), not whenever its last reference
-        goes (here one is still alive)."""
-        skip_unless("deepep")
-        if not self._explicitly_destroy_supported():
-            pytest.skip("deep_ep's Buffer has no explicitly_destroy")
-        Utils.initialize_model_parallel(expert_model_parallel_size=8)
-        group = parallel_state.get_expert_model_parallel_group()
-        events = self._record_deep_ep_buffers(monkeypatch)
-        buffer = fused_a2a.get_buffer(group, HIDDEN_SIZE * 2)
-        fused_a2a.reset_fused_a2a_buffers(collective=True)
-        assert fused_a2a._buffer is None
-        assert events == [
-            "create 0",
-            "destroy 0",
-        ], f"reset_fused_a2a_buffers() did not destroy() the DeepEP buffer: {events}"
-        del buffer
-
-    @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
-    @pytest.mark.internal
-    def test_deep_ep_v2_buffers_are_destroyed_by_the_release(self):
-        """DeepEP v2's ElasticBuffers (where the branch has them): reset_fused_a2a_buffers()
-        destroys every v2 buffer still alive, also one the dispatcher's manager still
-        references."""
-        if not getattr(fused_a2a, "HAVE_DEEP_EP_V2", False):
-            pytest.skip("Deep EP v2 is not available")
-        Utils.initialize_model_parallel(expert_model_parallel_size=8)
-        layer = build_moe_layer("deepepv2")
-        forward_backward(layer, make_input())
-        buffer = fused_a2a._elastic_buffer
-        assert buffer is not None, "no DeepEP v2 buffer after a dispatch"
-        fused_a2a.reset_fused_a2a_buffers(collective=True)
-        assert fused_a2a._elastic_buffer is None
-        # ElasticBuffer.destroy() drops its runtime (deep_ep/buffers/elastic.py); the layer's
-        # manager still references the buffer.
-        assert buffer.runtime is None, "a DeepEP v2 buffer outlives the release"
+        assert not fused_a2a.is_nccl_ep_bootstrapped(), "the NCCL EP context outlives teardown"
