@@ -81,7 +81,7 @@ def rank_loop(backend: str, release: bool, tokens: int = TOKENS) -> Dict[str, An
         out["mismatches"] = compare_terms(planned, emulated) if emulated else None
         gc.collect()
         before = cpu_memory.settled()
-        fused_a2a.reset_fused_a2a_buffers(collective=True)
+        fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
         gc.collect()
         freed = before - cpu_memory.settled()
         cpu_memory.reset_peak_memory_stats()

@@ -545,7 +545,7 @@ def comm_buffer_release(clock) -> Dict[str, Any]:
     _sync()
     before = clock.mem.memory_allocated()
     free_before = torch.cuda.mem_get_info(clock.device)[0] if cuda else None
-    release(collective=True)
+    release(collective=True, group=torch.distributed.group.WORLD)
     gc.collect()
     _sync()
     out["allocator_bytes_released"] = before - clock.mem.memory_allocated()

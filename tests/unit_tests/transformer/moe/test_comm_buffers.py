@@ -1,14 +1,14 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
-"""The flex dispatcher's communication buffers (fused_a2a's HybridEP and DeepEP buffers) have
-a lifecycle: ``destroy_model_parallel()`` releases them without waiting on any peer (HybridEP's
-freed, DeepEP's taken out of use for its collective ``destroy()`` at the next point every rank
-reaches), a dispatch after a new ``initialize_model_parallel()`` re-binds them to the new group,
-growth never holds two, and ``reset_fused_a2a_buffers()`` frees them between steps (offload) for
-the next dispatch to re-create: collectively (a barrier on each buffer's group before any free,
-in one order on every rank), refusing while a CUDA graph that captured a dispatch may still
-replay, DeepEP's buffer by its explicit ``destroy()``; the HybridEP buffers are kept per process
-group, so two models on different EP groups each run on their own.
+"""The flex dispatcher's communication buffers (fused_a2a's HybridEP and DeepEP buffers) are
+freed only by ``reset_fused_a2a_buffers(collective=True, group=...)``, which every rank of the
+group calls on its main thread: the ranks agree on what each holds, then free what every peer
+holds, leak what a peer no longer holds, and refuse on every rank while an autograd graph or a
+CUDA graph still uses a buffer. Everything else only takes buffers out of use and waits on
+nobody: ``destroy_model_parallel()`` (the no-argument release), a larger buffer needed, a
+destroyed group, ``reset_hybrid_ep_buffer()``; the next dispatch of a group of the same ranks
+takes its buffer back while that group lives, else allocates. Buffers are kept one per process
+group's ranks, so two models on different EP groups each run on their own.
 
 Ranks run megatron-core's real MoELayer / fused_a2a code on CPU gloo ranks with the deep_ep
 emulation, whose buffers allocate their documented sizes through the counted CPU allocator
@@ -92,7 +92,7 @@ def rank_teardown(backend: str):
     gc.collect()
     res = {"in_use": _buffer(backend) is not None, "nbytes": nbytes}
     res["freed_by_teardown"] = before - mem.settled()
-    fused_a2a.reset_fused_a2a_buffers(collective=True)
+    fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
     gc.collect()
     res.update(alive=ref() is not None, freed=before - mem.settled())
     return res
@@ -110,13 +110,15 @@ def test_destroy_model_parallel_releases_the_buffer(dist_job, patched_tree, back
         assert res["freed_by_teardown"] == 0, f"rank {rank}: {res}"
 
 
-def rank_reinit(first_ep: int, second_ep: int, restore: bool = False):
+def rank_reinit(first_ep: int, second_ep: int, restore: bool = False, abort: bool = False):
     """Rank side: a HybridEP step at EP=first_ep, destroy_model_parallel(), then a step at
     EP=second_ep. With first_ep=0 only the second step runs (a fresh process). With
     ``restore``, the first buffer is assigned back to fused_a2a._hybrid_ep_buffer after the
-    teardown, as a test fixture that saved it restores it."""
+    teardown, as a test fixture that saved it restores it; with ``abort``, the groups megatron
+    made are destroyed first (an in-process restart)."""
     from megatron.core import parallel_state
     from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.cuda.compat import allocated_comm_buffers
     from moe_release.runtime.megatron.moe_harness import init_megatron
 
     old_group = None
@@ -125,6 +127,10 @@ def rank_reinit(first_ep: int, second_ep: int, restore: bool = False):
         _layer_step("hybridep", first_ep)
         saved = fused_a2a._hybrid_ep_buffer
         old_group = saved.group
+        if abort:
+            from moe_release.runtime.megatron.fault_scenarios import abort_groups
+
+            abort_groups()
         parallel_state.destroy_model_parallel()
         if restore:
             fused_a2a._hybrid_ep_buffer = saved
@@ -140,39 +146,45 @@ def rank_reinit(first_ep: int, second_ep: int, restore: bool = False):
         "on_call_group_ranks": ranks(buffer.group) == ranks(group),
         "old_group_buffer": old_group is not None and buffer.group is old_group,
         "buffer_group_size": buffer.group_size,
+        "allocated": len(allocated_comm_buffers(fused_a2a)),
     }
 
 
 @pytest.mark.parametrize(
-    "first_ep,second_ep,restore",
+    "first_ep,second_ep,restore,abort,reused,allocated",
     [
-        (2, 4, False),
-        pytest.param(2, 2, False, marks=pytest.mark.backport),
-        (2, 2, True),
+        (2, 4, False, False, False, 2),
+        pytest.param(2, 2, False, False, True, 1, marks=pytest.mark.backport),
+        (2, 2, True, False, True, 1),
+        (2, 2, False, True, False, 2),
     ],
-    ids=["ep2-then-ep4", "new-ep2", "new-ep2-old-buffer-restored"],
+    ids=["ep2-then-ep4", "new-ep2", "new-ep2-old-buffer-restored", "new-ep2-after-abort"],
 )
 def test_hybridep_buffer_rebinds_after_reinitialization(
-    dist_job, patched_tree, first_ep, second_ep, restore
+    dist_job, patched_tree, first_ep, second_ep, restore, abort, reused, allocated
 ):
     """After a teardown and a re-initialization the next dispatch runs on a buffer of the new
-    group's ranks (its peers), bitwise as a fresh process's: a new one after the teardown, or
-    the old one when a fixture assigns it back to fused_a2a._hybrid_ep_buffer and its group has
-    the same ranks; never one of other ranks (the unpatched base runs EP 4 on its EP 2 buffer)."""
+    group's ranks (its peers), bitwise as a fresh process's: the old one while its group lives
+    and has the same ranks (memory stays flat over re-initializations, as upstream's tests make
+    them), a new one after an abort (the old group is gone, its ranks may be other processes:
+    the old buffer stays allocated until the explicit release), never one of other ranks (the
+    unpatched base runs EP 4 on its EP 2 buffer)."""
     again = dist_job(
         f"{THIS}:rank_reinit", 4, patched_tree, first_ep=first_ep, second_ep=second_ep,
-        restore=restore,
+        restore=restore, abort=abort,
     )  # fmt: skip
     fresh = dist_job(f"{THIS}:rank_reinit", 4, patched_tree, first_ep=0, second_ep=second_ep)
     for rank, (a, f) in enumerate(zip(again, fresh)):
         assert a["on_call_group_ranks"], f"rank {rank}: {a}"
-        assert a["old_group_buffer"] == restore, f"rank {rank}: {a}"
+        assert a["old_group_buffer"] == reused, f"rank {rank}: {a}"
+        assert a["allocated"] == allocated, f"rank {rank}: {a}"
         assert a["buffer_group_size"] == second_ep
         assert torch.equal(a["out"], f["out"]) and torch.equal(a["grad"], f["grad"]), rank
 
 
 def rank_growth(backend: str):
-    """Rank side: the counted peak while the buffer is replaced by a larger one."""
+    """Rank side: a buffer replaced by a larger one: the counted bytes then, and what the
+    explicit release frees after."""
     from megatron.core import parallel_state
     from megatron.core.transformer.moe import fused_a2a
     from moe_release.runtime.megatron.moe_harness import init_megatron
@@ -191,28 +203,39 @@ def rank_growth(backend: str):
 
     from moe_release.runtime.kernels import deep_ep_module as emu
 
-    old = make(32).nbytes
+    warnings = _Warnings()
     gc.collect()
-    leaked = len(emu.LEAKED_BUFFERS)
-    before = mem.memory_allocated()
-    mem.reset_peak_memory_stats()
+    before = mem.settled()
+    old = make(32).nbytes
     new = make(64).nbytes
-    peak = mem.max_memory_allocated() - before
-    # What the old buffer's destroy() left allocated (DeepEP's RDMA receive counter).
+    gc.collect()
+    held = mem.settled() - before
+    leaked = len(emu.LEAKED_BUFFERS)
+    release = fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
+    gc.collect()
+    # What destroy() leaves allocated (DeepEP's RDMA receive counter, deep_ep.cpp:299-304).
     kept = sum(t.nbytes for t in emu.LEAKED_BUFFERS[leaked:])
-    fused_a2a.reset_fused_a2a_buffers(collective=True)
-    return {"old": old, "new": new, "peak": peak, "kept": kept}
+    return {
+        "old": old, "new": new, "held": held, "kept": kept, "after": mem.settled() - before,
+        "freed": release.freed, "bytes_freed": release.bytes_freed, "warnings": list(warnings),
+    }  # fmt: skip
 
 
 @pytest.mark.backport
 @pytest.mark.parametrize("backend", ["hybridep", "deepep"])
-def test_growth_never_holds_two_buffers(dist_job, patched_tree, backend):
+def test_growth_keeps_the_old_buffer_for_the_explicit_release(dist_job, patched_tree, backend):
+    """A larger buffer needed does not free the old one (the unpatched DeepEP buffer's destructor
+    runs its collective destroy() there, inside the dispatch): both stay allocated, the warning
+    says once where the memory returns, and the explicit release frees both."""
     for rank, res in enumerate(dist_job(f"{THIS}:rank_growth", 2, patched_tree, backend=backend)):
         assert res["new"] > res["old"] > 0, res
-        # The old buffer is freed before the new one is allocated (the base peaks at old + new),
-        # but for the 4-byte RDMA counter deep_ep's destroy() never frees (deep_ep.cpp:299-304).
-        assert res["kept"] == (4 if backend == "deepep" else 0), f"rank {rank}: {res}"
-        assert res["peak"] == res["new"] - res["old"] + res["kept"], f"rank {rank}: {res}"
+        # The counted bytes include DeepEP's 4-byte RDMA receive counter per buffer (kept).
+        assert res["held"] == res["old"] + res["new"] + res["kept"], f"rank {rank}: {res}"
+        assert res["freed"] == {backend: 2}, f"rank {rank}: {res}"
+        assert res["after"] == res["kept"] == (8 if backend == "deepep" else 0), res
+        assert res["bytes_freed"] == {backend: res["old"] + res["new"]}, f"rank {rank}: {res}"
+        held = [w for w in res["warnings"] if "taken out of use" in w]
+        assert len(held) == 1 and "reset_fused_a2a_buffers(collective=True" in held[0], res
 
 
 def rank_offload(backend: str, release: bool):
@@ -225,8 +248,8 @@ def rank_offload(backend: str, release: bool):
     init_megatron(ep=dist.get_world_size())
     out = {}
     if release:  # idempotent and safe before any dispatch
-        fused_a2a.reset_fused_a2a_buffers(collective=True)
-        fused_a2a.reset_fused_a2a_buffers(collective=True)
+        fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
+        fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
     layer, _, _ = _layer_step(backend, dist.get_world_size())
     with torch.no_grad():
         for p in layer.parameters():
@@ -238,8 +261,8 @@ def rank_offload(backend: str, release: bool):
     if release:
         gc.collect()
         before = mem.memory_allocated()
-        fused_a2a.reset_fused_a2a_buffers(collective=True)
-        fused_a2a.reset_fused_a2a_buffers(collective=True)
+        fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
+        fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
         gc.collect()
         out["freed"] = before - mem.memory_allocated()
         out["nbytes_released"] = None if first_ref() is None else first_ref().nbytes
@@ -375,7 +398,7 @@ def rank_capture_guard(backend: str):
         layer(harness.seeded((TOKENS, 1, layer.config.hidden_size), 3))
     out = {}
     try:
-        fused_a2a.reset_fused_a2a_buffers(collective=True)
+        fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
         out["refused"] = None
     except RuntimeError as exc:
         out["refused"] = str(exc)
@@ -383,7 +406,7 @@ def rank_capture_guard(backend: str):
     nbytes = _buffer(backend).nbytes if out["kept"] else 0
     gc.collect()
     before = mem.settled()
-    fused_a2a.reset_fused_a2a_buffers(collective=True, graphs_released=True)
+    fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD, graphs_released=True)
     gc.collect()
     out.update(nbytes=nbytes, freed=before - mem.settled(), gone=_buffer(backend) is None)
     return out
@@ -410,13 +433,14 @@ def rank_release_waits_for_peers(backend: str, delay: float):
     from megatron.core.transformer.moe import fused_a2a
     from moe_release.runtime.megatron.moe_harness import init_megatron
 
+    _counter()
     init_megatron(ep=dist.get_world_size())
     _layer_step(backend, dist.get_world_size())
     dist.barrier()
     if dist.get_rank() == 1:
         time.sleep(delay)
     entered = time.time()
-    fused_a2a.reset_fused_a2a_buffers(collective=True)
+    fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
     return {"entered": entered, "left": time.time(), "gone": _buffer(backend) is None}
 
 
@@ -489,10 +513,11 @@ def test_teardown_waits_on_no_peer(dist_job, patched_tree, backend):
     assert r0["in_use"] == 0 and r0["warnings"] == [], r0
 
 
-def rank_restart_after_abort(backend: str, rounds: int):
+def rank_restart_after_abort(backend: str, rounds: int, recipe: bool):
     """Rank side: ``rounds`` in-process restarts as NVRx's does them: after a step, every
     process group megatron created is destroyed (the abort), then destroy_model_parallel(),
-    initialize_model_parallel() and a step. The counted bytes, the buffers alive and the
+    initialize_model_parallel(), with ``recipe`` the explicit release over the world (every
+    rank, before the first step), and a step. The counted bytes, the buffers alive and the
     teardown's seconds after each round."""
     import time
 
@@ -531,15 +556,20 @@ def rank_restart_after_abort(backend: str, rounds: int):
         parallel_state.destroy_model_parallel()
         rows[-1]["teardown"] = time.monotonic() - start
         init_megatron(ep=2)
+        if recipe:
+            release = fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
+            rows[-1]["released"] = (release.freed, release.leaked, release.left)
     return {"rows": rows, "warnings": list(warnings)}
 
 
 @pytest.mark.parametrize("backend", ["hybridep", "deepep"])
 def test_restart_after_an_abort_keeps_memory_flat(dist_job, patched_tree, backend):
-    """An abort (the groups destroyed) followed by the teardown waits on nobody, keeps nothing
-    for the life of the process, and the restarted job holds what the first one held: the same
-    bytes and one buffer after every round. The series at 9ee7333 parked one buffer more per
-    restart (its collective release failed on the destroyed groups)."""
+    """An abort (the groups destroyed) followed by the teardown waits on nobody and frees
+    nothing; the restart recipe (every rank calls the explicit release over the new world before
+    the first step) frees the old lifetime's buffer, so the restarted job holds what the first
+    one held: the same bytes and one buffer after every round. The series at e19ffb0 freed the
+    old buffer inside the next dispatch instead, where a replaced peer or a new layout never
+    meets it."""
     for rank, res in enumerate(
         dist_job(
             f"{THIS}:rank_restart_after_abort",
@@ -548,6 +578,7 @@ def test_restart_after_an_abort_keeps_memory_flat(dist_job, patched_tree, backen
             timeout=180.0,
             backend=backend,
             rounds=3,
+            recipe=True,
         )  # fmt: skip
     ):
         rows = res["rows"]
@@ -559,45 +590,64 @@ def test_restart_after_an_abort_keeps_memory_flat(dist_job, patched_tree, backen
         leaks = [r["deep_ep_leaks"] - rows[0]["deep_ep_leaks"] for r in rows]
         assert leaks == [4 * i if backend == "deepep" else 0 for i in range(len(rows))], rows
         assert all(r["alive"] == 1 and r["in_use"] == 1 for r in rows), (rank, rows)
+        assert all(r["released"] == ({backend: 1}, [], []) for r in rows), (rank, rows)
         assert res["warnings"] == [], (rank, res)
 
 
+def test_restart_without_the_recipe_keeps_each_lifetime_and_says_so(dist_job, patched_tree):
+    """Without the explicit release after a restart nothing frees the old lifetime's buffer:
+    each abort keeps one more (the next dispatch allocates, as the old group is gone), and the
+    first allocation after the first abort says once where the memory returns."""
+    for rank, res in enumerate(
+        dist_job(
+            f"{THIS}:rank_restart_after_abort",
+            2,
+            patched_tree,
+            timeout=180.0,
+            backend="hybridep",
+            rounds=3,
+            recipe=False,
+        )  # fmt: skip
+    ):
+        rows = res["rows"]
+        assert [r["alive"] for r in rows] == [1, 2, 3], (rank, rows)
+        assert all(r["in_use"] == 1 for r in rows), (rank, rows)
+        held = [w for w in res["warnings"] if "taken out of use" in w]
+        assert len(held) == 1, (rank, res["warnings"])
+
+
 def rank_release_holding_different_buffers():
-    """Rank side: a HybridEP buffer on a group of both ranks (its creation is collective); rank 1
-    then drops its own (reset_hybrid_ep_buffer, a fixture's assignment: ranks can hold different
-    sets). Both ranks release collectively."""
+    """Rank side (3 ranks): DeepEP buffers on groups [0, 1] and [1, 2] (each made by its own
+    ranks): the ranks hold different sets, and rank 1 two. Every rank releases collectively."""
     import time
 
     from megatron.core.transformer.moe import fused_a2a
-    from moe_release.runtime.cuda.compat import held_comm_buffers
-    from moe_release.runtime.megatron.moe_harness import init_megatron
+    from moe_release.runtime.cuda.compat import allocated_comm_buffers
 
-    init_megatron(ep=2)
-    group = dist.new_group([0, 1])
-    fused_a2a.init_hybrid_ep_buffer(
-        group, 16, TOKENS, 4, num_sms_dispatch_api=16, num_sms_combine_api=16, fp8_dispatch=False
-    )
-    if dist.get_rank() == 1:
-        fused_a2a.reset_hybrid_ep_buffer()
-    held = len(held_comm_buffers(fused_a2a))
+    _counter()
+    groups = [dist.new_group([0, 1]), dist.new_group([1, 2])]
+    for group in groups:
+        if dist.get_rank() in dist.get_process_group_ranks(group):
+            fused_a2a.get_buffer(group, hidden_bytes=32)
+    held = len(allocated_comm_buffers(fused_a2a))
     start = time.monotonic()
-    fused_a2a.reset_fused_a2a_buffers(collective=True)
+    release = fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
     return {
         "held": held,
         "elapsed": time.monotonic() - start,
-        "left": len(held_comm_buffers(fused_a2a)),
+        "left": len(allocated_comm_buffers(fused_a2a)),
+        "freed": release.freed,
     }
 
 
 def test_ranks_holding_different_buffers_release_without_deadlock(dist_job, patched_tree):
-    """The collective release is one barrier on one group (the world), whatever buffers each
-    rank holds: a barrier per held buffer's group would leave rank 0 waiting on a group rank 1
-    holds nothing for (the series at 9ee7333 did that)."""
-    r0, r1 = dist_job(
-        f"{THIS}:rank_release_holding_different_buffers", 2, patched_tree, timeout=60.0
-    )
-    assert (r0["held"], r1["held"]) == (1, 0), (r0, r1)
-    for rank, res in enumerate((r0, r1)):
+    """The collective release is one exchange on one group (the world), whatever buffers each
+    rank holds, then each buffer's destroy() among its own peers, in one order on every rank: a
+    barrier per held buffer's group would leave rank 0 waiting on a group it is not in."""
+    outs = dist_job(f"{THIS}:rank_release_holding_different_buffers", 3, patched_tree)
+    assert [r["held"] for r in outs] == [1, 2, 1], outs
+    assert [r["freed"] for r in outs] == [{"deepep": 1}, {"deepep": 2}, {"deepep": 1}], outs
+    for rank, res in enumerate(outs):
         assert res["left"] == 0 and res["elapsed"] < 5.0, (rank, res)
 
 
@@ -622,7 +672,7 @@ def rank_collective_release_after_abort(backend: str):
     parallel_state.destroy_model_parallel()
     gc.collect()
     before = mem.settled()
-    fused_a2a.reset_fused_a2a_buffers(collective=True)
+    fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
     gc.collect()
     return {
         "freed": before - mem.settled(),
@@ -662,7 +712,7 @@ def rank_deep_ep_explicit_destroy():
     out = {"flag": buffer.explicitly_destroy, "nbytes": buffer.nbytes}
     gc.collect()
     before = mem.settled()
-    fused_a2a.reset_fused_a2a_buffers(collective=True)
+    fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
     gc.collect()
     out["freed_while_referenced"] = before - mem.settled()
     out["runtime"] = buffer.runtime is not None
@@ -817,3 +867,208 @@ def test_teardown_imports_no_moe_module_and_logs_nothing(dist_job, patched_tree)
         dist_job(f"{THIS}:rank_teardown_without_fused_a2a", 2, patched_tree)
     ):
         assert out == {"warnings": [], "imported": []}, (rank, out)
+
+
+def _alive(backend: str) -> int:
+    """The emulated buffers of ``backend`` whose memory is still allocated (in use or not)."""
+    from moe_release.runtime.kernels import deepep_emulation, hybridep_emulation
+
+    cls = {"hybridep": hybridep_emulation.HybridEPBuffer, "deepep": deepep_emulation.Buffer}
+    return sum(
+        isinstance(o, cls[backend]) and getattr(o, "memory", None) is not None
+        for o in gc.get_objects()
+    )
+
+
+def rank_live_graph(backend: str, attempt: bool):
+    """Rank side: a forward whose backward has not run, (with ``attempt``) the explicit release
+    tried on every rank, then the backward, then the explicit release."""
+    from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.megatron.moe_harness import build_moe_layer, init_megatron, moe_config
+    from tests.unit_tests.transformer.moe import moe_cpu_harness as harness
+
+    mem = _counter()
+    init_megatron(ep=dist.get_world_size())
+    torch.manual_seed(5)
+    layer = build_moe_layer(moe_config(backend, dist.get_world_size()))
+    layer.train()
+    x = harness.seeded((dist.get_world_size(), TOKENS, 16), 8)[dist.get_rank()]
+    x = x.view(TOKENS, 1, -1).requires_grad_()
+    y, _ = layer(x)
+    out = {"refused": None}
+    if attempt:
+        gc.collect()
+        before = mem.settled()
+        try:
+            fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
+        except RuntimeError as exc:
+            out["refused"] = str(exc)
+        gc.collect()
+        out["freed_by_refusal"] = before - mem.settled()
+        out["in_use_after_refusal"] = _buffer(backend) is not None
+    y.backward(harness.seeded(y.shape, 9))
+    out["y"], out["x_grad"] = y.detach().clone(), x.grad.clone()
+    del y
+    release = fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
+    out.update(freed=release.freed, alive=_alive(backend))
+    return out
+
+
+@pytest.mark.backport
+@pytest.mark.parametrize("backend", ["hybridep", "deepep"])
+def test_release_refuses_on_every_rank_while_a_graph_uses_a_buffer(dist_job, patched_tree, backend):
+    """The explicit release between a forward and its backward raises on every rank and frees
+    nothing (the backward still needs the buffer); the backward then runs bitwise as without
+    the attempt, and the release after it frees the buffer. The series at e19ffb0 ran its
+    barrier and returned, freeing nothing on HybridEP (the graph held the buffer) and destroying
+    DeepEP's, which the backward silently re-created."""
+    tried = dist_job(f"{THIS}:rank_live_graph", 2, patched_tree, backend=backend, attempt=True)
+    plain = dist_job(f"{THIS}:rank_live_graph", 2, patched_tree, backend=backend, attempt=False)
+    for rank, (t, p) in enumerate(zip(tried, plain)):
+        assert t["refused"] and "autograd graph" in t["refused"], (rank, t)
+        assert "nothing was freed on any rank" in t["refused"], (rank, t)
+        assert t["freed_by_refusal"] == 0 and t["in_use_after_refusal"], (rank, t)
+        assert torch.equal(t["y"], p["y"]) and torch.equal(t["x_grad"], p["x_grad"]), rank
+        assert t["freed"] == {backend: 1} and t["alive"] == 0, (rank, t)
+
+
+def rank_refusals():
+    """Rank side: the explicit release without a group, and on another thread: each refused
+    before any collective, nothing freed."""
+    import threading
+
+    from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.megatron.moe_harness import init_megatron
+
+    init_megatron(ep=dist.get_world_size())
+    _layer_step("hybridep", dist.get_world_size())
+    out = {}
+    try:
+        fused_a2a.reset_fused_a2a_buffers(collective=True)
+        out["no_group"] = None
+    except ValueError as exc:
+        out["no_group"] = str(exc)
+    caught = []
+
+    def release():
+        try:
+            fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
+            caught.append(None)
+        except RuntimeError as exc:
+            caught.append(str(exc))
+
+    thread = threading.Thread(target=release)
+    thread.start()
+    thread.join(timeout=30)
+    out["off_main_thread"] = caught[0] if caught else "still running"
+    out["in_use"] = _buffer("hybridep") is not None
+    return out
+
+
+@pytest.mark.backport
+def test_release_refuses_without_a_group_or_off_the_main_thread(dist_job, patched_tree):
+    """The explicit release names its group (every rank of it calls it) and runs on the main
+    thread: without either it raises before any collective and frees nothing. The series at
+    e19ffb0 released over the world by default and from any thread."""
+    for rank, out in enumerate(dist_job(f"{THIS}:rank_refusals", 2, patched_tree)):
+        assert out["no_group"] and "needs group=" in out["no_group"], (rank, out)
+        assert out["off_main_thread"] and "main thread" in out["off_main_thread"], (rank, out)
+        assert out["in_use"], (rank, out)
+
+
+def rank_nothing_freed_implicitly(backend: str):
+    """Rank side: every way a buffer goes out of use, each followed by a dispatch that
+    allocates: the teardown after an abort (the next forward allocates), a fixture clearing
+    the module global between a forward and its backward (the backward, or with HybridEP the
+    recomputed forward inside it, allocates). No buffer is freed on the way; the explicit
+    release then frees them all."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.megatron.fault_scenarios import abort_groups
+    from moe_release.runtime.megatron.moe_harness import build_moe_layer, init_megatron, moe_config
+    from tests.unit_tests.transformer.moe import moe_cpu_harness as harness
+
+    alias = {"hybridep": "_hybrid_ep_buffer", "deepep": "_buffer"}[backend]
+    _counter()
+    init_megatron(ep=2)
+    _layer_step(backend, 2)
+    out = {"made": [_alive(backend)]}
+    abort_groups()
+    parallel_state.destroy_model_parallel()
+    init_megatron(ep=2)
+    torch.manual_seed(5)
+    layer = build_moe_layer(moe_config(backend, 2, recompute=backend == "hybridep"))
+    layer.train()
+    x = harness.seeded((2, TOKENS, 16), 8)[dist.get_rank()].view(TOKENS, 1, -1)
+    y, _ = layer(x.requires_grad_())
+    out["made"].append(_alive(backend))
+    setattr(fused_a2a, alias, None)  # a fixture's clear: the backward's dispatch allocates
+    y.backward(harness.seeded(y.shape, 9))
+    del y
+    gc.collect()
+    out["made"].append(_alive(backend))
+    release = fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
+    out.update(freed=release.freed, leaked=release.leaked, left=release.left, alive=_alive(backend))
+    return out
+
+
+@pytest.mark.backport
+@pytest.mark.parametrize("backend", ["hybridep", "deepep"])
+def test_no_buffer_is_freed_outside_the_explicit_release(dist_job, patched_tree, backend):
+    """Neither a dispatch after an abort's teardown nor a backward (or recompute) that
+    allocates frees a buffer: every buffer made stays allocated until the explicit release,
+    which frees all three. The series at e19ffb0 destroyed the buffers a release took out of use
+    inside the next allocating dispatch (a replaced peer or a new layout never meets it) and
+    inside a backward; the base frees a replaced buffer in its destructor."""
+    for rank, out in enumerate(
+        dist_job(f"{THIS}:rank_nothing_freed_implicitly", 2, patched_tree, backend=backend)
+    ):
+        assert out["made"] == [1, 2, 3], (rank, out)
+        assert out["freed"] == {backend: 3} and out["alive"] == 0, (rank, out)
+        assert out["leaked"] == [] and out["left"] == [], (rank, out)
+
+
+def rank_rebuild_for_new_group():
+    """Rank side: NVIDIA/Megatron-LM#7029's test_hybridep_rebuilds_buffer_for_new_group, as that
+    PR writes it (a stand-in HybridEPBuffer, bare objects as groups, the autograd function's
+    forward called directly), and two models' groups switching back."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe import fused_a2a
+
+    created = []
+
+    class Buffer:
+        def __init__(self, group, **kwargs):
+            self.group = group
+            created.append(self)
+
+        def dispatch_with_permute(self, **kwargs):
+            return None, None, None, None, object()
+
+    saved = fused_a2a.HybridEPBuffer, fused_a2a._hybrid_ep_buffer, fused_a2a._buffer
+    fused_a2a.HybridEPBuffer, fused_a2a._hybrid_ep_buffer, fused_a2a._buffer = Buffer, None, None
+    try:
+        first_group, second_group = object(), object()
+        routing_map = torch.ones(2, 1, dtype=torch.bool)
+        aliases = []
+        for group in (first_group, first_group, second_group, first_group):
+            fused_a2a.HybridEPDispatch.forward(
+                SimpleNamespace(), torch.ones(2, 4), routing_map, None, group, 1
+            )
+            aliases.append(fused_a2a._hybrid_ep_buffer.group is group)
+        made = [buffer.group for buffer in created] == [first_group, second_group]
+        fused_a2a.reset_fused_a2a_buffers()
+        return {"aliases": aliases, "made": made, "reset": fused_a2a._hybrid_ep_buffer is None}
+    finally:
+        fused_a2a.HybridEPBuffer = saved[0]
+
+
+@pytest.mark.backport
+def test_hybridep_rebuilds_buffer_for_new_group_as_7029_tests_it(dist_job, patched_tree):
+    """#7029's contract for the HybridEP buffer: a dispatch on the same group reuses its buffer,
+    one on a new group makes its own and ``_hybrid_ep_buffer`` names it, and the no-argument
+    release empties it; switching back to the first group reuses the first buffer (no new one
+    per switch). The base reuses the first group's buffer for the second group."""
+    (out,) = dist_job(f"{THIS}:rank_rebuild_for_new_group", 1, patched_tree)
+    assert out == {"aliases": [True, True, True, True], "made": True, "reset": True}, out

@@ -177,8 +177,8 @@ def rank_release_between_steps(zero_copy: bool):
     gc.collect()
     want = _held_bytes(zero_copy)
     before = mem.settled()
-    fused_a2a.reset_fused_a2a_buffers(collective=True)
-    fused_a2a.reset_fused_a2a_buffers(collective=True)  # idempotent
+    fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
+    fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)  # idempotent
     gc.collect()
     out = {
         "want": want,
@@ -267,14 +267,14 @@ def rank_two_groups():
     config = _config(2, zero_copy=False)
     a, b = _dispatcher(config), _dispatcher(config, other)
     out = {"b_first": _step(b, 2)}
-    fused_a2a.reset_fused_a2a_buffers(collective=True)
+    fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
     _step(a, 1)
     try:
         out["b_with_a_live"] = _step(b, 2)
         out["error"] = None
     except RuntimeError as exc:
         out["error"] = str(exc)
-    fused_a2a.reset_fused_a2a_buffers(collective=True)
+    fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
     out["b_alone"] = _step(b, 2)
     return out
 
@@ -333,12 +333,12 @@ def rank_capture_guard():
         _step(dispatcher, 4)
     out = {}
     try:
-        fused_a2a.reset_fused_a2a_buffers(collective=True)
+        fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
         out["refused"] = None
     except RuntimeError as exc:
         out["refused"] = str(exc)
     out["kept"] = te.installed()._BOOTSTRAPPED
-    fused_a2a.reset_fused_a2a_buffers(collective=True, graphs_released=True)
+    fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD, graphs_released=True)
     out["gone"] = not te.installed()._BOOTSTRAPPED
     return out
 
@@ -366,11 +366,11 @@ def rank_local_release_leaves_the_context():
     fused_a2a.reset_fused_a2a_buffers()
     out = {"bootstrapped": te.installed()._BOOTSTRAPPED}
     try:
-        fused_a2a.reset_fused_a2a_buffers(collective=True)
+        fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
         out["collective"] = "released"
     except RuntimeError as exc:
         out["collective"] = str(exc)
-    fused_a2a.reset_fused_a2a_buffers(collective=True, graphs_released=True)
+    fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD, graphs_released=True)
     out["after"] = te.installed()._BOOTSTRAPPED
     parallel_state.destroy_model_parallel()
     return out
