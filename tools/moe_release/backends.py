@@ -37,6 +37,9 @@ class Backend:
     accounted: bool = False  # the main report prices its buffer beside the measured one
     bf16_payloads: bool = False  # its kernels take bf16 payloads only
     hidden_multiple: int = 1  # its kernels take a hidden size that is a multiple of this
+    # fused_a2a's module global naming its buffer, which code outside megatron-core reads and
+    # test fixtures save, clear and restore (None: it has none)
+    module_global: Optional[str] = None
 
 
 # In report order: the colocated section's rows, the fault matrix's columns, test ids.
@@ -50,6 +53,7 @@ REGISTRY: tuple[Backend, ...] = (
         planner="hybridep",
         since=None,
         accounted=True,
+        module_global="_hybrid_ep_buffer",
     ),
     Backend(
         name="deepep",
@@ -60,6 +64,7 @@ REGISTRY: tuple[Backend, ...] = (
         planner="deepep",
         since=None,
         accounted=True,
+        module_global="_buffer",
     ),
     Backend(
         name="deepepv2",
@@ -71,6 +76,7 @@ REGISTRY: tuple[Backend, ...] = (
         since="dev",
         bf16_payloads=True,
         hidden_multiple=256,  # its combine kernel's static assert (deepep_v2_emulation)
+        module_global="_elastic_buffer",
     ),
     Backend(
         name="ncclep",

@@ -167,6 +167,12 @@ def fault_gloo_timeout(default: float) -> float:
     return _float("MOE_RELEASE_FAULT_GLOO_TIMEOUT", default)
 
 
+def fault_replacement() -> bool:
+    """``MOE_RELEASE_REPLACEMENT``: ``1`` in a fault-matrix rank that replaced a peer's process
+    (scenario j: the rank re-executed itself as a fresh process)."""
+    return _get("MOE_RELEASE_REPLACEMENT") == "1"
+
+
 def fault_log() -> Optional[str]:
     """``MOE_RELEASE_FAULT_LOG``: the file the collective log appends to (unset: none)."""
     return _get("MOE_RELEASE_FAULT_LOG")

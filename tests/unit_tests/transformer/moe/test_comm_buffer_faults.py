@@ -33,7 +33,7 @@ from moe_release.runtime.megatron import fault_scenarios as fs
 THIS = "tests.unit_tests.transformer.moe.test_comm_buffer_faults"
 GOLDEN = Path(__file__).with_name("golden_values") / "fault_matrix_base.json"
 # One variant of c and g by default (c2 and g-exc: the ones a GPU job hangs or leaks in).
-DEFAULT_SCENARIOS = ("a", "b", "c2", "d", "e", "f", "g-exc", "h", "i")
+DEFAULT_SCENARIOS = ("a", "b", "c2", "d", "e", "f", "g-exc", "h", "i", "j", "k", "l", "m", "n")
 
 
 def _cases(scenarios):

@@ -45,6 +45,7 @@ def run_cell(tree: str, scenario: str, backend: str, log: Callable[[str], None] 
         "backend": backend,
         "gloo_timeout": TEARDOWN_GLOO_TIMEOUT if scenario in ("c1", "c2") else GLOO_TIMEOUT,
         "device_barrier_timeout": DEVICE_BARRIER_TIMEOUT,
+        "second_port": launcher.free_port(),  # j: the world re-formed with a replaced peer
     }
     setup = {"emulate_deep_ep": True, "force_emulation": False, "placement": True}
     with tempfile.TemporaryDirectory(prefix="moe_fault_") as tmp:
@@ -135,6 +136,7 @@ def _collect(job: Path, procs, exited, spec) -> Dict[str, Any]:
         killed = exited[rank] is None
         entries = [e for e in records if "op" in e]
         teardown = _between(records, "teardown_start", "teardown_end")
+        attempt = _between(records, "attempt_start", "attempt_end")
         ranks.append(
             {
                 **result,
@@ -143,6 +145,7 @@ def _collect(job: Path, procs, exited, spec) -> Dict[str, Any]:
                 "exit_s": None if killed or done is None else exited[rank] - done,
                 "collectives": entries,
                 "teardown_collectives": teardown,
+                "attempt_collectives": attempt,
                 "warnings": _warnings(output, records),
                 "device_barrier_timeouts": [
                     m for m in records if m.get("kind") == "device_barrier_timeout"
@@ -182,17 +185,26 @@ def _warnings(output: str, records) -> List[str]:
 
 
 def banned(entry: Dict[str, Any]) -> Optional[str]:
-    """Why a collective entry breaks the pass rule, or None."""
-    from moe_release.runtime.measure.faults import BANNED_CONTEXTS, LIFECYCLE
+    """Why a collective entry breaks the pass rule, or None. A free (``faults.FREES``) runs only
+    inside the explicit release; HybridEP's destructor also at the process's exit (local: the
+    driver frees the memory then anyway). NCCL EP's ep_finalize is upstream's own in
+    destroy_model_parallel(): it is held against the base's cell, not here."""
+    from moe_release.runtime.measure.faults import BANNED_CONTEXTS, CONSTRUCTIONS, FREES, LIFECYCLE
 
     ctx = entry.get("context") or []
+    if entry["op"] in FREES and entry["op"] != "ncclep ep_finalize":
+        if "release" in ctx:
+            return None
+        if entry["op"] == "hybridep release_buffer":
+            return None if "exit" in ctx else "freed outside the explicit release"
     hit = [c for c in ctx if c in BANNED_CONTEXTS]
     if hit:
         return hit[0]
     if "atexit" in ctx and entry.get("exception_pending"):
         return "atexit after an exception"
-    if entry["op"] in LIFECYCLE and ("autograd" in ctx or "thread" in ctx):
-        return "inside a backward"
+    if entry["op"] in LIFECYCLE and entry["op"] not in CONSTRUCTIONS:
+        if "autograd" in ctx or "thread" in ctx:
+            return "inside a backward"
     return None
 
 
@@ -269,6 +281,11 @@ def summary(cell: Dict[str, Any]) -> Dict[str, Any]:
             if "scenario_s" not in r and not r["killed"]
         ],
         "buffers_made": ranks[0].get("buffers_made"),
+        # m, n: what the explicit release raised on each rank (None: it returned), the bytes
+        # the attempt freed, the collectives it entered
+        "refused": [r.get("refused") for r in ranks],
+        "freed_by_attempt": [r.get("freed_by_attempt") for r in ranks],
+        "attempt_collectives": [len(r.get("attempt_collectives") or []) for r in ranks],
     }
 
 
@@ -328,6 +345,14 @@ def violations(scenario: str, s: Dict[str, Any], base: Optional[Dict[str, Any]])
         alive = [sum((a or {}).values()) for a in s["buffers_alive"]]
         if max(alive) > 1:
             out.append(f"after 5 aborts {alive} buffers alive per rank (the current step's: 1)")
+    if scenario in ("m", "n") and s.get("release_api"):
+        if not all(s["refused"]):
+            out.append(f"the explicit release {_ATTEMPT[scenario]} returned: {s['refused']}")
+        freed = [f for f in s["freed_by_attempt"] if f is not None and abs(f) > BYTES_JITTER]
+        if freed:
+            out.append(f"the refused release freed {s['freed_by_attempt']} B")
+        if scenario == "n" and any(s["attempt_collectives"]):
+            out.append(f"off the main thread it entered collectives: {s['attempt_collectives']}")
     if scenario == "i" and base is not None:
         mine, theirs = (
             max(map(_num, s["dispatcher_bytes"])),
@@ -342,6 +367,9 @@ def violations(scenario: str, s: Dict[str, Any], base: Optional[Dict[str, Any]])
         if len(s["threads_left"]) > len(base["threads_left"]):
             out.append(f"threads left: {s['threads_left']} (base {base['threads_left']})")
     return out
+
+
+_ATTEMPT = {"m": "with a live autograd graph", "n": "off the main thread"}
 
 
 def _secs(t: float) -> str:

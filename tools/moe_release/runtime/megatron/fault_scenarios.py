@@ -18,7 +18,8 @@ the bytes the kernels leaked, every collective entered with its context
 * ``c1``/``c2`` rank 0 tears down while rank 1 exits right after the step (c1) or sleeps past
   the bound (c2: it is killed once rank 0 has exited);
 * ``d`` in-process restart x5: every group megatron created destroyed (WORLD kept), then
-  ``destroy_model_parallel()``, ``initialize_model_parallel()``, a step;
+  ``destroy_model_parallel()``, ``initialize_model_parallel()``, the restart recipe (the explicit
+  release over the world, where the tree has it), a step;
 * ``e`` re-initialise x5 without abort;
 * ``f`` microbatch 2's forward re-creates a larger buffer while microbatch 1's backward is
   pending, then rank 1 raises and unwinds (dropping the graphs), and both exit;
@@ -26,7 +27,19 @@ the bytes the kernels leaked, every collective entered with its context
 * ``h`` colocated RL x5: ``reset_fused_a2a_buffers()`` (where the tree has it), a rollout's
   tensors allocated and freed, a step;
 * ``i`` NeMo-RL's refit (NVIDIA-NeMo/RL#2319): a step, the model and optimizer offloaded
-  (storage freed), and the bytes the token dispatchers still reach.
+  (storage freed), and the bytes the token dispatchers still reach;
+* ``j`` restart onto a replaced peer: after a step and the abort, rank 1's process is replaced
+  by a fresh one (it re-executes itself, holding none of the old buffers) that joins a new world
+  with the survivor; both re-initialize, run the recipe and a step;
+* ``k`` restart into a new layout: after a step at EP 2 and the abort, PP 2 (a stage per rank,
+  EP 1: DeepEP has no one-rank layout), the recipe, and a step through both stages (stage 1
+  waits for stage 0's activations);
+* ``l`` a backward that allocates: a fixture clears the module global between a forward and its
+  backward, so the backward (HybridEP: its recomputed forward) makes a new buffer;
+* ``m`` the explicit release with a live graph: between a forward and its backward every rank
+  calls it (it must refuse on every rank and free nothing), then the backward and the release;
+* ``n`` the explicit release called off the main thread on every rank (refused before any
+  collective).
 
 This module is the rank side (what a rank process runs); running a cell, its pass rule and
 its table are :mod:`moe_release.runtime.megatron.fault_cells`.
@@ -49,13 +62,16 @@ from moe_release import backends, settings
 FLEX = backends.NAMES
 DISPATCHERS = ("alltoall", "allgather")
 BACKENDS = FLEX + DISPATCHERS
-SCENARIOS = ("a", "b", "c1", "c2", "d", "e", "f", "g-exc", "g-ret", "h", "i")
+SCENARIOS = (
+    "a", "b", "c1", "c2", "d", "e", "f", "g-exc", "g-ret", "h", "i", "j", "k", "l", "m", "n",
+)  # fmt: skip
 # The scenarios the all-to-all and all-gather dispatchers (no communication buffer) run.
 DISPATCHER_SCENARIOS = ("a", "b", "d", "e", "g-exc", "g-ret", "i")
 # Wall-time bound of each scenario's work, seconds per rank (process start not included).
 BOUNDS = {
     "a": 15.0, "b": 20.0, "c1": 15.0, "c2": 15.0, "d": 60.0, "e": 60.0, "f": 20.0,
-    "g-exc": 15.0, "g-ret": 15.0, "h": 60.0, "i": 15.0,
+    "g-exc": 15.0, "g-ret": 15.0, "h": 60.0, "i": 15.0, "j": 60.0, "k": 30.0, "l": 20.0,
+    "m": 20.0, "n": 15.0,
 }  # fmt: skip
 # Seconds from a rank's last scenario point to its process exit (1-3 s on a quiet host, up to
 # 10 s on a loaded one; a peer wait at exit takes DEVICE_BARRIER_TIMEOUT or the groups' timeout).
@@ -76,8 +92,11 @@ THIS = "moe_release.runtime.megatron.fault_scenarios"
 
 def applies(scenario: str, backend: str) -> bool:
     """Whether the matrix has a cell for ``scenario`` on ``backend`` (NCCL EP's context has a
-    capacity fixed at its bootstrap: a larger dispatch is refused, nothing grows, so no f)."""
+    capacity fixed at its bootstrap: a larger dispatch is refused, nothing grows, so no f; k's
+    new layout has one rank per EP group, which DeepEP and DeepEP v2 have no layout for)."""
     if scenario == "f" and backend == "ncclep":
+        return False
+    if scenario == "k" and backend in ("deepep", "deepepv2"):
         return False
     return backend in FLEX or scenario in DISPATCHER_SCENARIOS
 
@@ -257,15 +276,20 @@ def abort_groups() -> int:
 
 
 def release_buffers() -> bool:
-    """``reset_fused_a2a_buffers()`` collectively, with the keywords the tree's signature has;
-    False where the tree has no release API."""
+    """``reset_fused_a2a_buffers()`` collectively over the world (the restart recipe), with the
+    keywords the tree's signature has; False where the tree has no release API."""
     from megatron.core.transformer.moe import fused_a2a
 
     release = getattr(fused_a2a, "reset_fused_a2a_buffers", None)
     if release is None:
         return False
+    import torch.distributed as dist
+
     params = inspect.signature(release).parameters
-    release(**({"collective": True} if "collective" in params else {}))
+    kwargs = {"collective": True} if "collective" in params else {}
+    if "group" in params:
+        kwargs["group"] = dist.group.WORLD
+    release(**kwargs)
     return True
 
 
@@ -343,11 +367,21 @@ def _scenario(r: _Rank, scenario: str, backend: str) -> None:
                 abort_groups()
             r.teardown()
             _init()
+            if scenario == "d":  # the restart recipe, before the first step
+                r.out["release_api"] = release_buffers()
             layer = _layer(backend)
             _step(layer, seed=10)  # the same routing every cycle: the same bytes kept
             r.settled_bytes()
     elif scenario == "f":
         _scenario_f(r, layer, backend)
+    elif scenario == "j":
+        _scenario_j(r, layer, backend)
+    elif scenario == "k":
+        _scenario_k(r, layer, backend)
+    elif scenario == "l":
+        _scenario_l(r, backend)
+    elif scenario in ("m", "n"):
+        _scenario_mn(r, layer, scenario)
     elif scenario == "g-exc":
         _step(layer)
         r.settled_bytes()
@@ -416,6 +450,151 @@ def _scenario_f(r: _Rank, layer, backend: str) -> None:
     raise InjectedFault(error or "rank 0: the peer failed")
 
 
+def _scenario_j(r: _Rank, layer, backend: str) -> None:
+    """The survivor's side (rank 0) and the replaced rank's first life (rank 1): a step, the
+    abort; rank 1 then re-executes itself as a fresh process (``_replacement``), rank 0 joins
+    it in a new world."""
+    import torch.distributed as dist
+
+    _step(layer)
+    r.settled_bytes()
+    del layer
+    r.mark("abort")
+    abort_groups()
+    if r.rank == 1:
+        r.mark("replaced")
+        env = dict(os.environ, MOE_RELEASE_REPLACEMENT="1")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, "-m", THIS, str(r.job)], env)
+    r.teardown()
+    dist.destroy_process_group()
+    _new_world(r.spec)
+    _after_restart(r, backend)
+
+
+def _new_world(spec: Dict[str, Any]) -> None:
+    """The world re-formed with the replacement: a new rendezvous on ``spec["second_port"]``."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{os.environ['MASTER_ADDR']}:{spec['second_port']}",
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timedelta(seconds=spec["gloo_timeout"]),
+    )
+
+
+def _after_restart(r: _Rank, backend: str) -> None:
+    """Both ranks of j in the new world (rank 1 a fresh process): initialize, the recipe, a
+    step, the teardown."""
+    _init()
+    r.out["release_api"] = release_buffers()
+    layer = _layer(backend)
+    _step(layer, seed=10)
+    r.settled_bytes()
+    r.teardown()
+
+
+def _scenario_k(r: _Rank, layer, backend: str) -> None:
+    """A step at EP 2, the abort and teardown, then PP 2 with a stage per rank (EP 1), the
+    recipe, and a step through both stages: stage 1 waits for stage 0's activations."""
+    import torch
+    import torch.distributed as dist
+
+    from moe_release.runtime.megatron.moe_harness import init_megatron
+
+    _step(layer)
+    r.settled_bytes()
+    del layer
+    r.mark("abort")
+    abort_groups()
+    r.teardown()
+    init_megatron(ep=1, pp=2, timeout_minutes=settings.fault_gloo_timeout(GLOO_TIMEOUT) / 60)
+    r.out["release_api"] = release_buffers()
+    stage = _layer(backend)
+    hidden, dtype = stage.config.hidden_size, stage.config.params_dtype
+    if r.rank == 0:
+        gen = torch.Generator().manual_seed(7)
+        x = torch.randn(TOKENS, 1, hidden, generator=gen).to(dtype).requires_grad_()
+        y, _ = stage(x)
+        dist.send(y.detach().contiguous(), 1)
+        grad = torch.empty_like(y)
+        dist.recv(grad, 1)
+        y.backward(grad)
+    else:
+        x = torch.empty(TOKENS, 1, hidden, dtype=dtype)
+        dist.recv(x, 0)
+        x.requires_grad_()
+        y, _ = stage(x)
+        y.float().sum().backward()
+        dist.send(x.grad.contiguous(), 0)
+    r.settled_bytes()
+
+
+def _scenario_l(r: _Rank, backend: str) -> None:
+    """A forward, then a fixture clears the module global, then the backward: DeepEP's backward
+    fetches a buffer (a new one), HybridEP's recomputed forward makes one."""
+    import torch.distributed as dist
+
+    from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.megatron.moe_harness import build_moe_layer, model_kwargs, moe_config
+
+    config = moe_config(backend, dist.get_world_size(), recompute=backend == "hybridep",
+                        **model_kwargs(backend))  # fmt: skip
+    layer = build_moe_layer(config)
+    layer.train()
+    y = _forward(layer, TOKENS, 5)
+    alias = backends.get(backend).module_global
+    if alias is not None and hasattr(fused_a2a, alias):
+        setattr(fused_a2a, alias, None)  # a fixture's clear
+    r.mark("backward")
+    y.float().sum().backward()
+    del y
+    r.settled_bytes()
+    r.out["release_api"] = release_buffers()
+
+
+def _scenario_mn(r: _Rank, layer, scenario: str) -> None:
+    """m: the explicit release between a forward and its backward, on every rank; n: the
+    explicit release on another thread, on every rank. Each attempt must be refused and free
+    nothing; then (m) the backward and the release."""
+    from moe_release.runtime.measure import cpu_memory
+
+    y = _forward(layer, TOKENS, 5) if scenario == "m" else None
+    gc.collect()
+    before = cpu_memory.settled()
+    r.mark("attempt_start")
+    if scenario == "m":
+        r.out["refused"] = _attempt(release_buffers)
+    else:
+        result: Dict[str, Any] = {}
+        thread = threading.Thread(target=lambda: result.update(refused=_attempt(release_buffers)))
+        thread.start()
+        thread.join(timeout=BOUNDS[scenario])
+        r.out["refused"] = result.get("refused", "still running")
+    r.mark("attempt_end")
+    gc.collect()
+    r.out["freed_by_attempt"] = before - cpu_memory.settled()
+    if y is not None:
+        y.float().sum().backward()
+        del y
+    r.out["release_api"] = release_buffers()
+    r.settled_bytes()
+
+
+def _attempt(release) -> Optional[str]:
+    """What the release raised (None: it returned, or the tree has no release API)."""
+    try:
+        release()
+    except Exception as exc:  # noqa: BLE001 - recorded, the scenario goes on
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+    return None
+
+
 def rank_entry(job: str) -> None:
     """A rank of one cell (``MOE_RELEASE_RANK_ENTRY``): set up as a launcher rank, run the
     scenario, and leave through the interpreter."""
@@ -436,19 +615,29 @@ def rank_entry(job: str) -> None:
 
     torch.set_num_threads(1)
     _log_warnings()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-        rank=rank,
-        world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=timedelta(seconds=spec["gloo_timeout"]),
-    )
+    replacement = settings.fault_replacement()
+    if replacement:  # j's fresh process: it joins the re-formed world only
+        _new_world(spec)
+    else:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+            rank=rank,
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timedelta(seconds=spec["gloo_timeout"]),
+        )
     from moe_release.runtime.measure import cpu_memory
 
     cpu_memory.install()
     gc.collect()
     r = _Rank(job_dir, spec)
     r.mark("start")
+    if replacement:
+        r.mark("replacement_start")
+        _after_restart(r, spec["backend"])
+        dist.barrier()  # the ranks leave together: each exit is timed from one point
+        r.finish()
+        return
     _scenario(r, spec["scenario"], spec["backend"])
 
 
