@@ -45,7 +45,6 @@ def run_cell(tree: str, scenario: str, backend: str, log: Callable[[str], None] 
         "backend": backend,
         "gloo_timeout": TEARDOWN_GLOO_TIMEOUT if scenario in ("c1", "c2") else GLOO_TIMEOUT,
         "device_barrier_timeout": DEVICE_BARRIER_TIMEOUT,
-        "second_port": launcher.free_port(),  # j: the world re-formed with a replaced peer
     }
     setup = {"emulate_deep_ep": True, "force_emulation": False, "placement": True}
     with tempfile.TemporaryDirectory(prefix="moe_fault_") as tmp:

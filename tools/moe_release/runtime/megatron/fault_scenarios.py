@@ -30,10 +30,11 @@ the bytes the kernels leaked, every collective entered with its context
   (storage freed), and the bytes the token dispatchers still reach;
 * ``j`` restart onto a replaced peer: after a step and the abort, rank 1's process is replaced
   by a fresh one (it re-executes itself, holding none of the old buffers) that joins a new world
-  with the survivor; both re-initialize, run the recipe and a step;
+  with the survivor; both re-initialize and step without the recipe, then run the explicit
+  release (the survivor's old buffers leaked, the new ones freed) and a step;
 * ``k`` restart into a new layout: after a step at EP 2 and the abort, PP 2 (a stage per rank,
-  EP 1: DeepEP has no one-rank layout), the recipe, and a step through both stages (stage 1
-  waits for stage 0's activations);
+  EP 1: HybridEP only, as DeepEP has no one-rank layout and NCCL EP needs TPxEP > 1), the
+  recipe, and a step through both stages (stage 1 waits for stage 0's activations);
 * ``l`` a backward that allocates: a fixture clears the module global between a forward and its
   backward, so the backward (HybridEP: its recomputed forward) makes a new buffer;
 * ``m`` the explicit release with a live graph: between a forward and its backward every rank
@@ -93,10 +94,11 @@ THIS = "moe_release.runtime.megatron.fault_scenarios"
 def applies(scenario: str, backend: str) -> bool:
     """Whether the matrix has a cell for ``scenario`` on ``backend`` (NCCL EP's context has a
     capacity fixed at its bootstrap: a larger dispatch is refused, nothing grows, so no f; k's
-    new layout has one rank per EP group, which DeepEP and DeepEP v2 have no layout for)."""
+    new layout has one rank per EP group, which DeepEP and DeepEP v2 have no layout for and NCCL
+    EP refuses: it needs TPxEP > 1)."""
     if scenario == "f" and backend == "ncclep":
         return False
-    if scenario == "k" and backend in ("deepep", "deepepv2"):
+    if scenario == "k" and backend in ("deepep", "deepepv2", "ncclep"):
         return False
     return backend in FLEX or scenario in DISPATCHER_SCENARIOS
 
@@ -469,19 +471,26 @@ def _scenario_j(r: _Rank, layer, backend: str) -> None:
         os.execve(sys.executable, [sys.executable, "-m", THIS, str(r.job)], env)
     r.teardown()
     dist.destroy_process_group()
-    _new_world(r.spec)
+    from moe_release.runtime.ranks.launcher import free_port
+
+    # The new world's port, chosen now (a port reserved at the cell's start may be taken by
+    # then), for the replacement to read from the job's directory.
+    port = free_port()
+    (r.job / "second_port.tmp").write_text(str(port))
+    os.replace(r.job / "second_port.tmp", r.job / "second_port")
+    _new_world(port, r.spec)
     _after_restart(r, backend)
 
 
-def _new_world(spec: Dict[str, Any]) -> None:
-    """The world re-formed with the replacement: a new rendezvous on ``spec["second_port"]``."""
+def _new_world(port: int, spec: Dict[str, Any]) -> None:
+    """The world re-formed with the replacement: a new rendezvous on ``port``."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://{os.environ['MASTER_ADDR']}:{spec['second_port']}",
+        init_method=f"tcp://{os.environ['MASTER_ADDR']}:{port}",
         rank=int(os.environ["RANK"]),
         world_size=int(os.environ["WORLD_SIZE"]),
         timeout=timedelta(seconds=spec["gloo_timeout"]),
@@ -489,12 +498,16 @@ def _new_world(spec: Dict[str, Any]) -> None:
 
 
 def _after_restart(r: _Rank, backend: str) -> None:
-    """Both ranks of j in the new world (rank 1 a fresh process): initialize, the recipe, a
-    step, the teardown."""
+    """Both ranks of j in the new world (rank 1 a fresh process): initialize and a step without
+    the recipe (the hard case: the survivor then holds the old lifetime's buffers beside the
+    new ones, on the same ranks), the explicit release (it must leak the old and free the new,
+    waiting on no one), a step, the teardown."""
     _init()
-    r.out["release_api"] = release_buffers()
     layer = _layer(backend)
     _step(layer, seed=10)
+    r.settled_bytes()
+    r.out["release_api"] = release_buffers()
+    _step(layer, seed=11)
     r.settled_bytes()
     r.teardown()
 
@@ -616,8 +629,11 @@ def rank_entry(job: str) -> None:
     torch.set_num_threads(1)
     _log_warnings()
     replacement = settings.fault_replacement()
-    if replacement:  # j's fresh process: it joins the re-formed world only
-        _new_world(spec)
+    if replacement:  # j's fresh process: it joins the re-formed world only, on rank 0's port
+        deadline = time.monotonic() + BOUNDS["j"]
+        while not (job_dir / "second_port").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _new_world(int((job_dir / "second_port").read_text()), spec)
     else:
         dist.init_process_group(
             "gloo",

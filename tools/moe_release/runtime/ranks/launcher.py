@@ -420,7 +420,8 @@ def _rank_main(job: Path) -> int:
             from moe_release.runtime.kernels.install import install_kernel_emulations
 
             install_kernel_emulations(settings.tree(), spec["force_emulation"])
-        if spec["device"] == "cpu" and spec.get("placement", True):
+        placement_on = spec["device"] == "cpu" and spec.get("placement", True)
+        if placement_on:
             # CUDA's placement rules on the host (moe_release.runtime.cuda.placement): a rank
             # refuses what a GPU would refuse.
             from moe_release.runtime.cuda import placement
@@ -442,6 +443,12 @@ def _rank_main(job: Path) -> int:
         # zygote's, which depend on what the zygote did before, and the moment a cyclic
         # collection frees an autograd graph moves allocator peaks between runs of one job.
         gc.collect()
+        if spec["device"] == "cpu" and placement_on:
+            # The emulated GPU counts its memory from the job's start, as a GPU always can
+            # (torch.cuda.mem_get_info: the explicit release measures what it frees with it).
+            from moe_release.runtime.measure import cpu_memory
+
+            cpu_memory.install()
         try:
             result = func(**spec["kwargs"])
         finally:
