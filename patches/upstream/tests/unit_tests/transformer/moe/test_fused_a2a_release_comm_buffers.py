@@ -37,8 +37,6 @@ from tests.unit_tests.transformer.moe.flex_buffer_utils import (
     skip_unless,
 )
 
-WORLD = torch.distributed.group.WORLD
-
 
 def _in_use(backend: str):
     """This rank's HybridEP buffer (of its one EP group), DeepEP buffer, or NCCL EP's group
@@ -95,8 +93,16 @@ def test_no_argument_release_is_idempotent_without_buffers():
     reason="Deep EP, Hybrid EP and NCCL EP are not available",
 )
 class TestFusedA2ACommBuffers(TwoEPGroups):
+    def setup_method(self, method):
+        super().setup_method(method)
+        # What earlier tests left allocated is freed first: each test counts only its own.
+        Utils.initialize_distributed()
+        self.release_buffers()
+
     def release_buffers(self):
-        fused_a2a.reset_fused_a2a_buffers(collective=True, group=WORLD, graphs_released=True)
+        fused_a2a.reset_fused_a2a_buffers(
+            collective=True, group=torch.distributed.group.WORLD, graphs_released=True
+        )
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
@@ -116,7 +122,9 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
         buffer_ref = weakref.ref(buffer) if backend != "ncclep" else lambda: None
         del buffer
 
-        release = fused_a2a.reset_fused_a2a_buffers(collective=True, group=WORLD)
+        release = fused_a2a.reset_fused_a2a_buffers(
+            collective=True, group=torch.distributed.group.WORLD
+        )
         assert release.freed == {backend: 1}, f"the release says it freed {release.freed}"
         assert release.leaked == [] and release.left == [], release
         assert _in_use(backend) is None, f"the {backend} buffer outlives the release"
@@ -142,11 +150,13 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
         x, out = run_forward(layer, inp)
         buffer_ref = weakref.ref(_in_use(backend))
         with pytest.raises(RuntimeError, match="autograd graph"):
-            fused_a2a.reset_fused_a2a_buffers(collective=True, group=WORLD)
+            fused_a2a.reset_fused_a2a_buffers(collective=True, group=torch.distributed.group.WORLD)
         assert _in_use(backend) is buffer_ref() and not _freed(buffer_ref)
         assert_bitwise_equal(run_backward(layer, x, out), expected, "after a refused release")
         del x, out
-        release = fused_a2a.reset_fused_a2a_buffers(collective=True, group=WORLD)
+        release = fused_a2a.reset_fused_a2a_buffers(
+            collective=True, group=torch.distributed.group.WORLD
+        )
         assert release.freed == {backend: 1} and _freed(buffer_ref), release
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
@@ -162,7 +172,9 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
 
         def release():
             try:
-                fused_a2a.reset_fused_a2a_buffers(collective=True, group=WORLD)
+                fused_a2a.reset_fused_a2a_buffers(
+                    collective=True, group=torch.distributed.group.WORLD
+                )
             except RuntimeError as exc:
                 errors.append(str(exc))
 
@@ -215,7 +227,9 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
         if fused_a2a.HAVE_DEEP_EP:
             fused_a2a.get_buffer(group_a, HIDDEN_SIZE * 2)
             made["deepep"] = 1
-        release = fused_a2a.reset_fused_a2a_buffers(collective=True, group=WORLD)
+        release = fused_a2a.reset_fused_a2a_buffers(
+            collective=True, group=torch.distributed.group.WORLD
+        )
         assert release.freed == made and release.leaked == [] and release.left == [], release
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
@@ -243,7 +257,9 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
         fused_a2a.get_buffer(group, HIDDEN_SIZE)
         fused_a2a.get_buffer(group, HIDDEN_SIZE * 2)  # larger: a replacement
         assert events == ["create 0", "create 1"], f"the replacement destroyed a buffer: {events}"
-        release = fused_a2a.reset_fused_a2a_buffers(collective=True, group=WORLD)
+        release = fused_a2a.reset_fused_a2a_buffers(
+            collective=True, group=torch.distributed.group.WORLD
+        )
         assert sorted(events[2:]) == ["destroy 0", "destroy 1"], events
         assert release.freed == {"deepep": 2}, release
 
@@ -257,7 +273,7 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
         group = parallel_state.get_expert_model_parallel_group()
         events = _record_deep_ep_buffers(monkeypatch)
         buffer = fused_a2a.get_buffer(group, HIDDEN_SIZE * 2)
-        fused_a2a.reset_fused_a2a_buffers(collective=True, group=WORLD)
+        fused_a2a.reset_fused_a2a_buffers(collective=True, group=torch.distributed.group.WORLD)
         assert fused_a2a._buffer is None
         assert events == ["create 0", "destroy 0"], f"no destroy() of the DeepEP buffer: {events}"
         assert buffer.runtime is None
@@ -276,12 +292,12 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
         layers = {"A": build_moe_layer("ncclep"), "B": build_moe_layer("ncclep", pgc_b)}
         inputs = {"A": make_input(1000), "B": make_input(2000)}
         alone = forward_backward(layers["B"], inputs["B"])
-        fused_a2a.reset_fused_a2a_buffers(collective=True, group=WORLD)
+        fused_a2a.reset_fused_a2a_buffers(collective=True, group=torch.distributed.group.WORLD)
 
         forward_backward(layers["A"], inputs["A"])
         with pytest.raises(RuntimeError, match="reset_fused_a2a_buffers"):
             run_forward(layers["B"], inputs["B"])
-        fused_a2a.reset_fused_a2a_buffers(collective=True, group=WORLD)
+        fused_a2a.reset_fused_a2a_buffers(collective=True, group=torch.distributed.group.WORLD)
         after = forward_backward(layers["B"], inputs["B"])
         assert_bitwise_equal(after, alone, "layer B after the release")
         assert _in_use("ncclep") is layers["B"].token_dispatcher.tp_ep_group

@@ -52,6 +52,14 @@ def test_hybridep_rebuilds_buffer_for_new_group(monkeypatch):
 
     monkeypatch.setattr(fused_a2a, "HybridEPBuffer", Buffer, raising=False)
     monkeypatch.setattr(fused_a2a, "_hybrid_ep_buffer", None)
+    # Tables of this test's own, so that no stand-in buffer outlives it in the module.
+    table = copy.copy(fused_a2a._hybrid_ep_table)
+    for name, value in vars(table).items():
+        if isinstance(value, dict):
+            setattr(table, name, {})
+    table.aliased = None
+    monkeypatch.setattr(fused_a2a, "_hybrid_ep_table", table)
+    monkeypatch.setattr(fused_a2a, "_retired_buffers", [])
     first_group, second_group = object(), object()
     routing_map = torch.ones(2, 1, dtype=torch.bool)
     for group in (first_group, first_group, second_group, first_group):
