@@ -114,3 +114,26 @@ def test_no_isort_no_mechanical_merge(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_isort)
     assert imports.isort_style(PYPROJECT) is None
+
+
+def test_a_side_by_side_settle_that_drops_a_needed_import_is_refused(style):
+    """Megatron-Bridge's pin (main 2a75ac12): REF predates the ``import inspect`` the series'
+    base has, and the patch adds imports around it while its code calls ``inspect`` at module
+    level. Side by side, REF's side of the block wins and the file raises NameError on import;
+    ``settle_file`` refuses that and merges the block as a set, keeping inspect."""
+    from moe_release.series.merge import settle_file
+
+    body = BODY + b"\n\ndef g():\n    return inspect.signature(g)\n"
+    base = HEAD + b"import inspect\nimport weakref\nfrom typing import Optional\n" + body
+    theirs = base.replace(b"import inspect\n", b"import collections\nimport inspect\nimport os\n")
+    ours = base.replace(b"import inspect\n", b"")
+    data, n = merge_file(ours, base, theirs)
+    assert n == 1
+    assert imports.lost_imports(theirs, ours + b"\n") == ["inspect"]
+    merged, left, how = settle_file(ours, base, theirs, data, n, style)
+    assert left == 0 and how.startswith("import block merged as a set"), how
+    assert b"import collections\nimport inspect\nimport os\nimport weakref\n" in merged
+    assert imports.lost_imports(theirs, merged) == []
+    # A function's own import binds nothing at module level: still a use that needs the block.
+    local = b"def h():\n    import inspect\n\n    return inspect\n"
+    assert imports.lost_imports(b"import inspect\n" + local, local) == ["inspect"]

@@ -112,6 +112,37 @@ def _uses(name: str, body: bytes) -> bool:
     return re.search(rb"(?<![\w.])" + re.escape(name.encode()) + rb"\b", body) is not None
 
 
+def _module_bindings(tree: ast.Module) -> set[str]:
+    """The names a module's own top-level imports bind (those in a top-level ``try`` or ``if``
+    too: the optional imports), not those a function imports for itself."""
+    names: set[str] = set()
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import):
+            names |= {a.asname or a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, (ast.Try, ast.If)):
+            todo += node.body + node.orelse + getattr(node, "finalbody", [])
+            todo += [n for h in getattr(node, "handlers", []) for n in h.body]
+    return names
+
+
+def lost_imports(theirs: bytes, merged: bytes) -> list[str]:
+    """Names the patched file (``theirs``) binds by a module-level import that ``merged`` uses
+    but no longer binds at module level: a settle that kept REF's side of an import block where
+    REF predates an import the patch's code needs. Empty where either does not parse."""
+    try:
+        want, have = _module_bindings(ast.parse(theirs)), _module_bindings(ast.parse(merged))
+    except (SyntaxError, ValueError):
+        return []
+    body = b"\n".join(
+        line for line in merged.splitlines() if not re.match(rb"\s*(import|from)\s", line)
+    )
+    return sorted(n for n in want - have if _uses(n, body))
+
+
 def merge_imports(
     ours: bytes,
     base: bytes,

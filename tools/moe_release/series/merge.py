@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 from moe_release.series.common import UserError
 from moe_release.series.git import git_env
-from moe_release.series.imports import merge_imports
+from moe_release.series.imports import lost_imports, merge_imports
 from moe_release.series.patches import FilePatch, Patch, apply_file_patch, parse_patch
 from moe_release.series.settle import settle_adjacent
 
@@ -184,11 +184,13 @@ def settle_file(
     conflicts left, what was settled in words; "" if nothing)."""
     how = ""
     done, left = _adjacent(ours, base, theirs)
-    if left < n:
+    # Side by side, REF's side of an import block can drop an import the patch's code needs
+    # (REF predates it): that settle is refused, and the block is merged as a set below.
+    if left < n and not lost_imports(theirs, done):
         data, n, how = done, left, "changes side by side, both applied"
     if n and style is not None:
         imported = merge_imports(ours, base, theirs, _adjacent, style)
-        if imported is not None and imported[1] < n:
+        if imported is not None and imported[1] < n and not lost_imports(theirs, imported[0]):
             data, n = imported
             how = "import block merged as a set" + (f"; {how}" if how else "")
     return data, n, how
@@ -211,9 +213,12 @@ def merge_for_person(
         return settle_adjacent(merged, keep_base=True)
 
     data, n = view(ours, base, theirs)
+    if lost_imports(theirs, data):  # as settle_file: not side by side, a person decides
+        data = merge_file(ours, base, theirs, diff3=True, labels=labels)[0]
+        n = 1
     if n and style is not None:
         imported = merge_imports(ours, base, theirs, view, style)
-        if imported is not None and imported[1] < n:
+        if imported is not None and imported[1] < n and not lost_imports(theirs, imported[0]):
             data = imported[0]
     return data
 
