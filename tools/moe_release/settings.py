@@ -21,6 +21,7 @@ variable                                 accessor                           type
 ``MOE_RELEASE_PLACEMENT_TRACE``          :func:`placement_trace`            flag, "1" on (off)
 ``MOE_RELEASE_DEVICE_BARRIER_TIMEOUT``   :func:`device_barrier_timeout`     seconds (30)
 ``MOE_RELEASE_FAULT_GLOO_TIMEOUT``       :func:`fault_gloo_timeout`         seconds (caller's)
+``MOE_RELEASE_REPLACEMENT``              :func:`fault_replacement`          flag, "1" on (off)
 ``MOE_RELEASE_FAULT_LOG``                :func:`fault_log`                  path (unset)
 ``MOE_RELEASE_LIVE_BYTES_CHECK``         :func:`live_bytes_check`           flag, non-empty (off)
 ``MOE_RELEASE_PRODUCTION_SHAPE_CHAINS``  :func:`production_shape_chains`    flag, non-empty (off)

@@ -98,7 +98,7 @@ def applies(scenario: str, backend: str) -> bool:
     EP refuses: it needs TPxEP > 1)."""
     if scenario == "f" and backend == "ncclep":
         return False
-    if scenario == "k" and backend in ("deepep", "deepepv2", "ncclep"):
+    if scenario == "k" and backend != "hybridep":
         return False
     return backend in FLEX or scenario in DISPATCHER_SCENARIOS
 
