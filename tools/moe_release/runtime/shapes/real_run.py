@@ -4,10 +4,13 @@
 the two traces at a size both can run."""
 
 import contextlib
-from typing import Any, Dict, List
+import functools
+from typing import Any, Dict, Iterator, List
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_modes
 from torch.utils._pytree import tree_map
 
 from moe_release.runtime.shapes.live_bytes import LiveBytes, _tensors
@@ -28,7 +31,7 @@ class _CountingMode(TorchDispatchMode):
         self._stack = contextlib.ExitStack()
 
     def _contexts(self) -> List[Any]:
-        return [self.counter.watching_resizes()]
+        return [self.counter.watching_resizes(), _object_collectives_unseen()]
 
     def __enter__(self):
         self._stack.__enter__()
@@ -41,6 +44,35 @@ class _CountingMode(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             self._stack.__exit__(*exc)
+
+
+# torch.distributed's collectives of picklable objects: host data (a buffer's handles, a token)
+# pickled into byte tensors, which neither run counts and a fake tensor cannot hold.
+OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object",
+                      "scatter_object_list", "send_object_list", "recv_object_list")  # fmt: skip
+
+
+@contextlib.contextmanager
+def _object_collectives_unseen() -> Iterator[None]:
+    """While entered, the object collectives run with no dispatch mode (both runs alike)."""
+    modules = (dist, dist.distributed_c10d)
+    originals = {(m, n): getattr(m, n) for m in modules for n in OBJECT_COLLECTIVES}
+
+    def unseen(original):
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            with _no_dispatch_modes():
+                return original(*args, **kwargs)
+
+        return call
+
+    for (module, name), original in originals.items():
+        setattr(module, name, unseen(original))
+    try:
+        yield
+    finally:
+        for (module, name), original in originals.items():
+            setattr(module, name, original)
 
 
 class RealRun(_CountingMode):
