@@ -209,17 +209,33 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     return model(**batch), _loss_func
 
 
+def _schedule_step(cfg: Dict[str, Any], chunks: list, data: list, vpp) -> list:
+    """One step of megatron's ``get_forward_backward_func()`` over ``data``."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        # Interleaved: one iterator per model chunk (each reads every microbatch).
+        data_iterator=[iter(data) for _ in chunks] if vpp else iter(data),
+        model=chunks,
+        num_microbatches=cfg["microbatches"],
+        seq_length=cfg["seq"],
+        micro_batch_size=cfg["mbs"],
+        forward_only=False,
+    )
+
+
 def overlap_run(cfg: Dict[str, Any]) -> Dict[str, Any]:
     """Rank side: one training step of cfg['microbatches'] microbatches through megatron's
-    ``get_forward_backward_func()``, with overlap on or off (cfg['overlap']).
+    ``get_forward_backward_func()``, with overlap on or off (cfg['overlap']); with
+    cfg['warm_steps'], that many steps run first (their gradients dropped), so the measured step
+    finds the communication buffers made.
 
     Returns the per-microbatch losses and every parameter gradient; with overlap, what
     :class:`OverlapWatch` saw and the stream-operation log's ``record_stream`` entries; with
     cfg['measure'], the counted allocator's peak over the step (and with cfg['drop'] the bytes
     freed by dropping each finished layer's holders)."""
     import gc
-
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron.core.transformer.moe import moe_memory_probe as probe
     from moe_release.runtime.cuda.compat import install_attention_cpu_shim
@@ -237,6 +253,11 @@ def overlap_run(cfg: Dict[str, Any]) -> Dict[str, Any]:
     chunks = build_gpt_chunks(cfg)
     comm = host_comm_stream() if cfg["overlap"] else None
     data = batches(cfg)
+    for _ in range(cfg.get("warm_steps", 0)):
+        _schedule_step(cfg, chunks, data, vpp)
+        for model in chunks:
+            for p in model.parameters():
+                p.grad = None
     watch = OverlapWatch(counter, drop=cfg.get("drop", False)) if cfg["overlap"] else None
     if watch is not None:
         watch.exclude = set().union(*(probe.model_storage_keys(m) for m in chunks))
@@ -264,16 +285,7 @@ def overlap_run(cfg: Dict[str, Any]) -> Dict[str, Any]:
     placement.SYNCS.clear()
     try:
         with HOST_STREAMS.record() as ops, oplog if oplog is not None else nullcontext():
-            out = get_forward_backward_func()(
-                forward_step_func=forward_step,
-                # Interleaved: one iterator per model chunk (each reads every microbatch).
-                data_iterator=[iter(data) for _ in chunks] if vpp else iter(data),
-                model=chunks,
-                num_microbatches=cfg["microbatches"],
-                seq_length=cfg["seq"],
-                micro_batch_size=cfg["mbs"],
-                forward_only=False,
-            )
+            out = _schedule_step(cfg, chunks, data, vpp)
     finally:
         if watch is not None:
             watch.close()
