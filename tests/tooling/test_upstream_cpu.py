@@ -99,6 +99,56 @@ def test_refuses_a_tree_without_upstream_tests(tmp_path, capsys):
     assert "has no tests/unit_tests/test_utilities.py" in capsys.readouterr().err
 
 
+GROUPS_SCRIPT = """
+import gc, sys
+import torch.distributed as dist
+from moe_release.runtime.measure import faults
+from moe_release.upstream_tests import plugin
+
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=0, world_size=1)
+bound, other = plugin.new_group(ranks=[0]), plugin.new_group(ranks=[0])
+
+
+class Buffer:
+    pass
+
+
+buffer = Buffer()
+buffer.group = bound
+faults.register_buffer(buffer)
+
+
+def live(group):
+    try:
+        dist.get_process_group_ranks(group)
+        return True
+    except (KeyError, RuntimeError, ValueError):
+        return False
+
+
+print(plugin.destroy_groups(), live(bound), live(other))
+del buffer
+gc.collect()
+print(plugin.destroy_groups(), live(bound))
+dist.destroy_process_group()
+"""
+
+
+def test_destroy_groups_keeps_a_group_a_buffer_is_bound_to(tmp_path):
+    """destroy_model_parallel() forgets its groups on a GPU; the harness destroys them (threads),
+    but not one an emulated communication buffer is still bound to, which fused_a2a reuses on a
+    re-initialization while it lives. Once the buffer is gone the group is destroyed too."""
+    env = dict(
+        os.environ, PYTHONPATH=f"{_tree('MOE_RELEASE_TREE')}{os.pathsep}{REPO_ROOT / 'tools'}"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", GROUPS_SCRIPT, f"file://{tmp_path / 'store'}"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:2] == ["1 True False", "1 False"], done.stdout
+
+
 def standin_checkout(root: Path, tree: Path) -> Path:
     """A Megatron-LM-shaped checkout around a materialized tree (per_patch's)."""
     return per_patch.standin_checkout(root, tree / "megatron")

@@ -37,7 +37,8 @@ changed:
 * **Communication.** ``nccl`` process groups are created as ``gloo`` (``device_ids`` dropped
   from barriers, and group timeouts capped by ``UPSTREAM_CPU_PG_TIMEOUT`` seconds, default 180, so a
   rank left waiting fails instead of hanging for upstream's 30 minutes), and
-  ``destroy_model_parallel()`` also destroys the groups it forgets (see :func:`destroy_groups`); the
+  ``destroy_model_parallel()`` also destroys the groups it forgets, but those an emulated
+  communication buffer is bound to (see :func:`destroy_groups`); the
   uneven all-gathers/reduce-scatters NCCL accepts go through the padded stand-ins of
   :func:`moe_release.runtime.cuda.compat.install_tensor_parallel_cpu_shim`; the all-to-all
   dispatcher's split sizes arrive as numpy arrays, as its device-to-host copies deliver them on a
@@ -262,15 +263,28 @@ def destroy_groups() -> int:
     ``destroy_model_parallel()`` only forgets its groups, so over a session of tests that each
     initialize model parallelism (dozens of groups each) eight ranks pile up over a thousand
     threads each, which on a small host stalls the run.
+
+    A group an emulated communication buffer is still bound to is kept, forgotten only, as
+    ``destroy_model_parallel()`` leaves it on a GPU: fused_a2a reuses a buffer while its group
+    lives (a re-initialization on the same ranks), and destroying the group here would make every
+    such re-initialization look like an abort.
     """
+    from moe_release.runtime.measure import faults
+
+    bound = {id(getattr(b, "group", None)) for b in list(faults.BUFFERS)}
     n = 0
+    kept = []
     while _GROUPS:
         group = _GROUPS.pop()
+        if id(group) in bound:
+            kept.append(group)
+            continue
         try:
             dist.destroy_process_group(group)
             n += 1
         except Exception:  # already destroyed, or the default group is gone
             pass
+    _GROUPS.extend(reversed(kept))
     return n
 
 
