@@ -131,6 +131,32 @@ def test_buffers_allocate_their_documented_size(monkeypatch):
     assert emu.Buffer(None, 4096, 1024).memory.nbytes == 4096 + 160 + 32 * 1024 * 1024 + 1024
 
 
+def test_hybridep_memory_goes_with_its_runtime():
+    """The real HybridEPBuffer's memory is its C++ ``runtime``'s (hybrid_ep_buffer.py:101-111,
+    hybrid_ep.cu:75-90): dropping ``runtime`` frees it while the Python object is still
+    referenced, and any later dispatch or combine raises, as ``self.runtime.<call>`` would."""
+    import gc
+
+    import torch
+
+    from moe_release.runtime.measure import cpu_memory
+
+    emu = load_deep_ep_emulation()
+    cpu_memory.install()
+    gc.collect()
+    before = cpu_memory.settled()
+    buf = emu.HybridEPBuffer(None, 64, 16, 4)
+    held = cpu_memory.settled() - before
+    assert held == buf.nbytes > 0
+    buf.runtime = None
+    gc.collect()
+    assert cpu_memory.settled() == before and buf.memory is None
+    with pytest.raises(AttributeError, match="no attribute 'dispatch_with_permute'"):
+        buf.dispatch_with_permute(hidden=torch.zeros(16, 64))
+    with pytest.raises(AttributeError, match="no attribute 'combine_with_unpermute'"):
+        buf.combine_with_unpermute(hidden=torch.zeros(16, 64), handle=())
+
+
 def _buffer_table(module) -> list:
     """The (term, source) rows of a module docstring's buffer table (its header's first cell is
     ``term``)."""

@@ -321,6 +321,33 @@ def _lifetime(group, x, idx, n, hidden, k, kw) -> Dict[str, object]:
         gc.collect()
     out["leaked_kept"] = cpu_memory.settled() - before
     out["warning"] = printed.getvalue()
+    out.update(_communicator(n, hidden, k))
+    return out
+
+
+def _communicator(n, hidden, k) -> Dict[str, object]:
+    """destroy() after the buffer's process group is destroyed: on DeepEP's own communicator
+    (the default) it runs; on the group's (EP_REUSE_NCCL_COMM=1) it is refused."""
+    import os
+
+    import torch.distributed as dist
+
+    out: Dict[str, object] = {}
+    for reuse in ("0", "1"):
+        os.environ["EP_REUSE_NCCL_COMM"] = reuse
+        try:
+            group = dist.new_group(ranks=list(range(dist.get_world_size())))
+            buf = V2.ElasticBuffer(
+                group, num_max_tokens_per_rank=n, hidden=hidden, num_topk=k,
+                explicitly_destroy=True,
+            )  # fmt: skip
+            out[f"managed_{reuse}"] = buf.nccl_comm_handle.managed
+            dist.destroy_process_group(group)
+            out[f"destroy_after_group_{reuse}"] = _raises(buf.destroy, RuntimeError)
+            if buf.runtime is not None:  # refused: leave it as DeepEP would, leaked at exit
+                buf.runtime.exiting = True
+        finally:
+            del os.environ["EP_REUSE_NCCL_COMM"]
     return out
 
 
@@ -422,6 +449,10 @@ def test_refuses_what_the_real_buffer_refuses(dist_job, patched_tree):
         assert "'NoneType' object has no attribute 'dispatch'" in res["use_after_destroy"]
         assert res["plain_freed"] == res["allocated"], res
         assert res["leaked_kept"] == 0 and "`destroy()` is not called" in res["warning"], res
+        # DeepEP's own communicator outlives the group; the group's own dies with it.
+        assert res["managed_0"] and not res["managed_1"], res
+        assert res["destroy_after_group_0"] == "ran", res
+        assert "buffer.hpp:141-148" in res["destroy_after_group_1"], res
 
 
 def test_buffer_size_is_deepeps_formula_worked_by_hand():

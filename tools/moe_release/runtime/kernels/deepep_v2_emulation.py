@@ -137,6 +137,15 @@ prints DeepEP's warning to stdout and frees nothing (the emulation keeps the byt
 :data:`LEAKED_BUFFERS`). A job's teardown
 (:func:`moe_release.runtime.cuda.compat.teardown_megatron_state`) calls :func:`release_for_exit`: a
 process exit frees device memory without a collective.
+
+**The communicator** (``deep_ep/utils/comm.py:10-71``): the buffer is built on the NCCL
+communicator ``get_nccl_comm_handle(group)`` gives, which is one DeepEP creates for the group
+(``managed``, destroyed with its last handle) unless ``EP_REUSE_NCCL_COMM=1`` and the group's
+backend exposes ``_comm_ptr``, when it is the process group's own (not managed). The emulation
+takes ``EP_REUSE_NCCL_COMM=1`` as the reuse (gloo has no ``_comm_ptr``; a real job runs NCCL) and
+refuses ``destroy()`` of a buffer on a reused communicator once its process group is destroyed:
+the real barrier and ``nccl_context->finalize()`` (``buffer.hpp:141-148``) would run on a
+communicator freed with its group.
 """
 
 import os
@@ -146,6 +155,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from moe_release import settings
 from moe_release.runtime.kernels.emulation_common import (
     EventHandle,
     EventOverlap,
@@ -268,12 +278,40 @@ class EPHandle:
         self.recv_counts: List[int] = []
 
 
+class NCCLCommHandle:
+    """``deep_ep.utils.comm.NCCLCommHandle``: a communicator and whether DeepEP made it
+    (``managed``) or took the process group's (``EP_REUSE_NCCL_COMM=1``)."""
+
+    def __init__(self, group, managed: bool) -> None:
+        self.group = group
+        self.managed = managed
+
+    def usable(self) -> bool:
+        """A managed communicator lives as long as its handle; a reused one dies with its group."""
+        if self.managed or self.group is None:
+            return True
+        try:
+            dist.get_process_group_ranks(self.group)
+        except (KeyError, RuntimeError, ValueError):
+            return False
+        return True
+
+
+def get_nccl_comm_handle(group) -> NCCLCommHandle:
+    """``comm.py:41-71``, without the cache: reuse the group's communicator only when asked."""
+    reuse = settings.deep_ep_variable("EP_REUSE_NCCL_COMM") or "0"
+    return NCCLCommHandle(group, managed=reuse != "1")
+
+
 class _ElasticRuntime:
     """Stand-in for ``deep_ep._C.ElasticBuffer``: owns the window and the host workspace."""
 
-    def __init__(self, group, num_bytes: int, explicitly_destroy: bool) -> None:
+    def __init__(
+        self, group, num_bytes: int, explicitly_destroy: bool, comm: NCCLCommHandle
+    ) -> None:
         _refuse(num_bytes % 16 == 0, "nccl.cu:135-137", "window size % 16 == 0")
         self.group = group
+        self.comm = comm
         # The peers destroy()'s GPU barrier waits for (buffer.hpp:141, barrier(true, true)): over
         # the NCCL window, not over the process group (moe_release.runtime.measure.faults.Fabric).
         self.fabric = faults.Fabric(group, "deepepv2")
@@ -291,6 +329,12 @@ class _ElasticRuntime:
         """``ElasticBuffer::destroy()`` (``buffer.hpp:137-151``): a barrier across the group
         (collective), then the host workspace and the window are freed."""
         _refuse(not self.destroyed, "buffer.hpp:138", "not destroyed")
+        _refuse(
+            self.exiting or self.comm.usable(),
+            "buffer.hpp:141-148",
+            "the communicator destroy() runs on is alive (EP_REUSE_NCCL_COMM=1: the process "
+            "group's, destroyed with it)",
+        )
         if not self.exiting:
             self.fabric.barrier("deepepv2 destroy barrier")
         self.window = None
@@ -376,7 +420,8 @@ class ElasticBuffer:
             num_allocated_qps = 129 if allow_hybrid_mode else 17
         self.num_allocated_qps = num_allocated_qps
         self.explicitly_destroy = explicitly_destroy
-        self.runtime = _ElasticRuntime(group, num_bytes, explicitly_destroy)
+        self.nccl_comm_handle = get_nccl_comm_handle(group)
+        self.runtime = _ElasticRuntime(group, num_bytes, explicitly_destroy, self.nccl_comm_handle)
         faults.register_buffer(self)
         # One NVLink domain: one scale-out rank, every rank a scale-up rank (nccl.cu:51-62).
         self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
@@ -392,6 +437,7 @@ class ElasticBuffer:
         if self.runtime is not None:
             self.runtime.destroy()
             self.runtime = None
+            self.nccl_comm_handle = None
 
     @staticmethod
     def get_buffer_size_hint(

@@ -349,10 +349,12 @@ class _HybridEPRuntime:
     their IPC handles): no peer waits in it, but a peer's kernel still reading or writing this
     rank's memory then faults. Its destruction is logged as ``hybridep release_buffer`` with its
     context (:func:`moe_release.runtime.measure.faults.note`), so that where the memory goes is
-    seen; the emulated memory itself dies with the Python buffer, as the real runtime with it."""
+    seen. It owns the emulated memory (``memory``), which goes with it: dropping the Python
+    buffer's ``runtime`` frees it while the Python object lives on, as the real one."""
 
     def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
         self.ranks = faults.group_ranks(group)
+        self.memory: Optional[torch.Tensor] = None
 
     def __del__(self, _faults=faults) -> None:
         try:
@@ -426,11 +428,25 @@ class HybridEPBuffer:
         # Rows per rank: the first call's tokens, at least 512, rounded to the combine chunk
         # (config.cuh:385-387); later calls grow them (_grow).
         self.rows = buffer_rows(max_num_of_tokens_per_rank)
-        self._allocate()
         # The C++ buffer (hybrid_ep_buffer.py:101-111): code outside reads ``runtime``, and its
         # destructor is where the memory goes (_HybridEPRuntime).
         self.runtime = _HybridEPRuntime(self.group)
+        self._allocate()
         faults.register_buffer(self)
+
+    @property
+    def memory(self) -> Optional[torch.Tensor]:
+        """The emulated buffer memory, which the C++ runtime owns (None once it is dropped)."""
+        return None if self.runtime is None else self.runtime.memory
+
+    @memory.setter
+    def memory(self, value: Optional[torch.Tensor]) -> None:
+        self.runtime.memory = value
+
+    def _live_runtime(self, name: str) -> None:
+        """The real methods call ``self.runtime.<name>``: with the runtime dropped, that raises."""
+        if self.runtime is None:
+            raise AttributeError(f"'NoneType' object has no attribute '{name}'")
 
     @property
     def configurer(self) -> SimpleNamespace:
@@ -627,6 +643,7 @@ class HybridEPBuffer:
         needed, P is ``num_permuted_tokens`` (required, as the real handle's int64 field) and
         ``tokens_per_expert`` is ``None``.
         """
+        self._live_runtime("dispatch_with_permute")
         if use_fp8:
             raise NotImplementedError("The HybridEP emulation does not implement FP8 dispatch.")
         if non_blocking and (num_permuted_tokens is None or num_permuted_tokens < 0):
@@ -717,6 +734,7 @@ class HybridEPBuffer:
         without probability weighting; padding rows are ignored. ``probs[P]`` are scattered back
         to ``[N, num_experts]`` float32 (``None`` without probs).
         """
+        self._live_runtime("combine_with_unpermute")
         if handle is None:
             raise ValueError("The handle is necessary for combine.")
         sparse_to_dense, dense_to_expert, n, config = self._unpack(tuple(handle))
