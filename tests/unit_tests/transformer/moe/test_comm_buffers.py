@@ -70,6 +70,14 @@ def _buffer(backend: str):
     return held[0] if held else None
 
 
+def _nbytes(buffer) -> int:
+    """The device and pinned host bytes an emulated buffer holds (DeepEP v2: its window and
+    host workspace)."""
+    if hasattr(buffer, "nbytes"):
+        return buffer.nbytes
+    return buffer.runtime.window.nbytes + buffer.runtime.host_workspace.nbytes
+
+
 def rank_teardown(backend: str):
     """Rank side: after a step, destroy_model_parallel(); is the buffer gone, and what did the
     counted allocator get back? Then the collective release, which destroys what the teardown
@@ -651,10 +659,15 @@ def test_ranks_holding_different_buffers_release_without_deadlock(dist_job, patc
         assert res["left"] == 0 and res["elapsed"] < 5.0, (rank, res)
 
 
-def rank_collective_release_after_abort(backend: str):
+def rank_collective_release_after_abort(backend: str, reuse_comm: bool = False):
     """Rank side: after a step the groups megatron created are destroyed (an abort), then the
     teardown; the job's world still holds every peer, so the collective release over it frees
-    what the teardown took out of use."""
+    what the teardown took out of use. ``reuse_comm``: DeepEP v2 built on the process group's
+    own NCCL communicator (EP_REUSE_NCCL_COMM=1), which the abort destroyed."""
+    import os
+
+    if reuse_comm:
+        os.environ["EP_REUSE_NCCL_COMM"] = "1"
     from megatron.core import parallel_state
     from megatron.core.transformer.moe import fused_a2a
     from moe_release.runtime.cuda.compat import held_comm_buffers
@@ -664,7 +677,7 @@ def rank_collective_release_after_abort(backend: str):
     init_megatron(ep=2)
     _layer_step(backend, 2)
     ref = weakref.ref(_buffer(backend))
-    nbytes = ref().nbytes
+    nbytes = _nbytes(ref())
     world = dist.group.WORLD
     groups = {g for g in vars(parallel_state).values() if isinstance(g, dist.ProcessGroup)}
     for group in groups - {world}:
@@ -672,28 +685,52 @@ def rank_collective_release_after_abort(backend: str):
     parallel_state.destroy_model_parallel()
     gc.collect()
     before = mem.settled()
-    fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
+    release = fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
     gc.collect()
-    return {
+    out = {
         "freed": before - mem.settled(),
         "nbytes": nbytes,
         "alive": ref() is not None and getattr(ref(), "runtime", None) is not None,
         "held": len(held_comm_buffers(fused_a2a)),
+        "leaked": release.leaked,
     }
+    if reuse_comm and out["alive"]:
+        ref().runtime.exiting = True  # leaked: the process's exit frees it, as on a GPU
+    return out
 
 
-@pytest.mark.parametrize("backend", ["hybridep", "deepep"])
+@pytest.mark.parametrize("backend", WAITING_BACKENDS)
 def test_collective_release_after_an_abort_frees_every_buffer(dist_job, patched_tree, backend):
     """After an abort the teardown waits on nobody and the collective release (over the world,
     which the abort kept) frees the buffers the teardown took out of use: nothing is kept for
-    the life of the process. The series at 9ee7333 parked them, unfreed, for good."""
+    the life of the process. The series at 9ee7333 parked them, unfreed, for good. DeepEP v2's
+    destroy() runs on the NCCL communicator DeepEP made for the group, which the abort left."""
     for rank, out in enumerate(
         dist_job(
             f"{THIS}:rank_collective_release_after_abort", 2, patched_tree, backend=backend
         )  # fmt: skip
     ):
         assert out["held"] == 0 and not out["alive"], (rank, out)
-        assert out["freed"] == out["nbytes"] > 0, (rank, out)
+        assert out["freed"] == out["nbytes"] > 0 and out["leaked"] == [], (rank, out)
+
+
+@pytest.mark.flex_backend("deepepv2")
+def test_deep_ep_v2_on_the_groups_communicator_is_leaked_after_an_abort(dist_job, patched_tree):
+    """With EP_REUSE_NCCL_COMM=1 DeepEP v2 runs on the process group's own communicator, gone
+    with the aborted group: its destroy() would use it after free, so the release leaks the
+    buffer on every rank, says why, and waits on nothing."""
+    for rank, out in enumerate(
+        dist_job(
+            f"{THIS}:rank_collective_release_after_abort",
+            2,
+            patched_tree,
+            backend="deepepv2",
+            reuse_comm=True,
+        )  # fmt: skip
+    ):
+        assert out["alive"] and out["freed"] == 0, (rank, out)
+        why = "its process group is gone, which its free needs"
+        assert out["leaked"] == [("deepepv2", [0, 1], why)], (rank, out)
 
 
 def rank_deep_ep_explicit_destroy():
@@ -1072,3 +1109,78 @@ def test_hybridep_rebuilds_buffer_for_new_group_as_7029_tests_it(dist_job, patch
     per switch). The base reuses the first group's buffer for the second group."""
     (out,) = dist_job(f"{THIS}:rank_rebuild_for_new_group", 1, patched_tree)
     assert out == {"aliases": [True, True, True, True], "made": True, "reset": True}, out
+
+
+def rank_release_with_one_rank_apart(how: str):
+    """Rank side: after a HybridEP step, rank 1 alone has dropped its buffer's C++ runtime
+    ("destroyed"), has its free fail ("fails"), or every rank keeps a reference to its buffer
+    ("referenced"); then every rank calls the explicit release."""
+    import time
+
+    from megatron.core.transformer.moe import fused_a2a
+    from moe_release.runtime.megatron.moe_harness import init_megatron
+
+    mem = _counter()
+    init_megatron(ep=2)
+    _layer_step("hybridep", 2)
+    buffer = _buffer("hybridep")
+    nbytes = _nbytes(buffer)
+    if dist.get_rank() == 1 and how == "destroyed":
+        buffer.runtime = None
+    if dist.get_rank() == 1 and how == "fails":
+
+        def failing(buffer):
+            raise RuntimeError("injected free failure")
+
+        fused_a2a._free = failing
+    kept = buffer if how == "referenced" else None
+    del buffer
+    gc.collect()
+    before = mem.settled()
+    start = time.monotonic()
+    out = {"raised": None, "leaked": None, "freed": None}
+    try:
+        release = fused_a2a.reset_fused_a2a_buffers(collective=True, group=dist.group.WORLD)
+        out.update(freed=release.freed, leaked=release.leaked, left=release.left)
+    except RuntimeError as exc:
+        out["raised"] = str(exc)
+    gc.collect()
+    out.update(
+        elapsed=time.monotonic() - start,
+        freed_bytes=before - mem.settled(),
+        nbytes=nbytes,
+        kept_runtime=kept is not None and kept.runtime is not None,
+    )
+    return out
+
+
+def _apart(dist_job, patched_tree, how: str) -> list:
+    return dist_job(f"{THIS}:rank_release_with_one_rank_apart", 2, patched_tree, how=how)
+
+
+def test_a_buffer_referenced_outside_is_freed_on_every_rank(dist_job, patched_tree):
+    """Code outside fused_a2a holding the buffer (ART reads _hybrid_ep_buffer) does not make one
+    rank keep memory its peers free: the release drops the C++ buffer on every rank, and the
+    Python object left behind holds none (e19ffb0's series left it, rank by rank)."""
+    for rank, out in enumerate(_apart(dist_job, patched_tree, "referenced")):
+        assert out["raised"] is None and out["freed"] == {"hybridep": 1}, (rank, out)
+        assert out["freed_bytes"] == out["nbytes"] > 0 and not out["kept_runtime"], (rank, out)
+
+
+def test_a_buffer_destroyed_on_one_rank_is_leaked_on_every_rank(dist_job, patched_tree):
+    """What a rank destroyed outside the release is in the exchange: every rank takes the same
+    decision (leak, naming the rank), not each its own."""
+    why = "rank(s) [1] destroyed it outside this call"
+    for rank, out in enumerate(_apart(dist_job, patched_tree, "destroyed")):
+        assert out["raised"] is None and out["leaked"] == [("hybridep", [0, 1], why)], out
+        assert out["freed"] == {}, (rank, out)
+
+
+def test_a_failed_free_raises_on_every_rank(dist_job, patched_tree):
+    """A free failing on rank 1 does not stop rank 0's, and after the last the ranks exchange
+    their failures: both raise, naming the rank and the buffer, and neither waits."""
+    for rank, out in enumerate(_apart(dist_job, patched_tree, "fails")):
+        assert out["raised"] is not None, (rank, out)
+        failure = "rank 1: the hybridep buffer of ranks [0, 1]: RuntimeError: injected free"
+        assert failure in out["raised"], (rank, out)
+        assert out["elapsed"] < 5.0, (rank, out)

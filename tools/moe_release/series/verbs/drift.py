@@ -31,11 +31,18 @@ _NCCL_EP_RELEASE = (
     "_note_nccl_ep_capture",
     "is_nccl_ep_bootstrapped",
     "_NCCLEPContext.identity",
+    "_NCCLEPContext.group",
+    "_destroy_needs_group",
+    "_agree",
     "_graph_use",
     "reset_fused_a2a_buffers",
 )
 NOT_CARRIED: dict[tuple[str, str], str] = {
     ("patches/upstream/dev", _BUFFERS + "reset_fused_a2a_buffers"): _DEV_V2,
+    ("patches/upstream/dev", _BUFFERS + "_destroy_needs_group"): (
+        "dev's DeepEP v2 buffer on the group's own NCCL communicator (EP_REUSE_NCCL_COMM=1) "
+        "needs that group to destroy, as NCCL EP's context does"
+    ),
     ("patches/upstream/dev", _DISPATCHER + "nccl_ep_release_context"): (
         "dev's NCCL EP manager has no zero-copy buffers: its release only finalizes the context"
     ),
@@ -54,8 +61,8 @@ NOT_CARRIED: dict[tuple[str, str], str] = {
         "dispatch_preprocess to combine_postprocess; the release drops it too"
     ),
 }
-# The release branches before 0.19 carry none of NCCL EP's release (reset_fused_a2a_buffers
-# and _graph_use there are the primary's without their NCCL EP part).
+# The release branches before 0.19 carry none of NCCL EP's release (reset_fused_a2a_buffers,
+# _agree and _graph_use there are the primary's without their NCCL EP part).
 for _series in (
     "patches/backports/core_r0.18.0",
     "patches/backports/core_r0.18.0@0.18.0",

@@ -3,9 +3,9 @@
 """The flex dispatcher's communication buffers are freed only by an explicit, agreed call:
 fused_a2a.reset_fused_a2a_buffers(collective=True, group=G), made by every rank of G on its main
 thread between steps. The ranks first exchange what each holds, then every rank takes the same
-decision: a buffer every peer holds is freed (DeepEP's by its destroy(), HybridEP's by its last
-reference), one a peer no longer holds is leaked, and while an autograd graph still uses a
-buffer every rank raises and nothing is freed. Nothing else frees a buffer: DeepEP's are built
+decision: a buffer every peer holds is freed, whoever else references it (DeepEP's by its
+destroy(), HybridEP's by dropping its C++ buffer), one a peer no longer holds is leaked, and while
+an autograd graph still uses a buffer every rank raises and nothing is freed. Nothing else frees a buffer: DeepEP's are built
 with explicitly_destroy, a buffer replaced by a larger one stays referenced, and
 reset_fused_a2a_buffers() with no arguments (what a teardown calls) takes the buffers out of use
 and waits on nobody. NCCL EP's process-wide context is released the same way (TransformerEngine
@@ -50,10 +50,77 @@ def _in_use(backend: str):
 
 
 def _freed(buffer) -> bool:
-    """Whether ``buffer`` gave its memory back: DeepEP's by destroy() (its runtime dropped),
-    HybridEP's with its last reference (``buffer`` is a weakref to it)."""
-    held = buffer()
-    return held is None or getattr(held, "runtime", True) is None
+    """Whether ``buffer`` (a HybridEP or DeepEP buffer, still referenced) gave its memory back:
+    its C++ runtime is gone."""
+    return buffer.runtime is None
+
+
+def _holding(rank: int, *identities, **state) -> tuple:
+    """One rank's entry of the release's exchange: the buffers it holds, each with ``state``."""
+    fields = {"graphs": 0, "captured": False, "destroyed": False, "group_gone": False}
+    return rank, {identity: {**fields, **state} for identity in identities}
+
+
+# Identities as the release exchanges them: backend, the group's global ranks, the token the
+# group's ranks exchanged when they made the buffer.
+A = ("hybridep", (0, 1), "token-a")
+B = ("deepep", (1, 2), "token-b")
+
+
+@pytest.mark.parametrize(
+    "holdings, members, expected",
+    [
+        # Every peer holds it: freed.
+        ([_holding(0, A), _holding(1, A)], None, ("free", None)),
+        # Rank 1 is a fresh process (a replaced peer): leaked, never destroyed.
+        ([_holding(0, A), _holding(1)], None, ("leak", "peer rank(s) [1] no longer hold it")),
+        # Rank 1 destroyed it outside the release: leaked on every rank, not freed on rank 0.
+        (
+            [_holding(0, A), _holding(1, A, destroyed=True)],
+            None,
+            ("leak", "rank(s) [1] destroyed it outside this call"),
+        ),
+        # A peer outside the group that releases: left.
+        ([_holding(1, B)], [0, 1], ("leave", "peer rank(s) [2] are not in group")),
+        # No identity its peers share (made outside fused_a2a): left.
+        ([_holding(0, A[:2] + (None,))], None, ("leave", "made outside fused_a2a")),
+    ],
+    ids=["every-peer", "replaced-peer", "destroyed-on-one-rank", "peer-outside", "no-token"],
+)
+def test_every_rank_takes_the_same_decision(holdings, members, expected):
+    """The decision is a function of what every rank sent, the same on every rank."""
+    if members is not None:  # ranks of the group that hold nothing still send an entry
+        holdings = holdings + [_holding(r) for r in members if r not in {h[0] for h in holdings}]
+    actions, blocked = fused_a2a._agree(holdings, graphs_released=False)
+    assert blocked == [], blocked
+    (action,) = actions.values()
+    assert action[0] == expected[0] and (expected[1] or "") in (action[1] or ""), action
+
+
+@pytest.mark.skipif(
+    not hasattr(fused_a2a, "ensure_nccl_ep_bootstrapped"), reason="no NCCL EP on this branch"
+)
+def test_nccl_ep_context_of_a_destroyed_group_is_not_finalized():
+    """ep_finalize runs on the communicator TransformerEngine borrowed from the EP group: once
+    that group is destroyed, no rank finalizes the context (its free needs the group)."""
+    context = ("ncclep", (0, 1), "token-c")
+    holdings = [_holding(r, context, group_gone=True) for r in (0, 1)]
+    actions, blocked = fused_a2a._agree(holdings, graphs_released=False)
+    assert blocked == [] and actions[context][0] == "leak", actions
+    assert "process group is gone" in actions[context][1], actions
+
+
+def test_a_live_graph_or_capture_blocks_every_free():
+    """A graph whose backward has not run, on any rank, blocks the whole release; a CUDA graph
+    capture blocks it unless the caller says the graphs were released."""
+    holdings = [_holding(0, A, graphs=1), _holding(1, A), _holding(2, B, captured=True)]
+    _, blocked = fused_a2a._agree(holdings, graphs_released=False)
+    assert len(blocked) == 2, blocked
+    (graph,) = [why for why in blocked if "autograd graph" in why]
+    (capture,) = [why for why in blocked if "CUDA graph" in why]
+    assert "rank(s) [0]" in graph and "graphs_released=True" in capture, blocked
+    _, blocked = fused_a2a._agree(holdings[:2] + [_holding(2, B, captured=True)], True)
+    assert len(blocked) == 1 and "autograd graph" in blocked[0], blocked
 
 
 def _record_deep_ep_buffers(monkeypatch) -> list:
@@ -116,11 +183,10 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
         layer = build_moe_layer(backend)
         inp = make_input()
         first = forward_backward(layer, inp)
+        # Code outside fused_a2a may hold the buffer (ART reads _hybrid_ep_buffer): it is freed
+        # all the same. NCCL EP's "buffer" is its group, which parallel_state keeps.
         buffer = _in_use(backend)
         assert buffer is not None, f"no {backend} buffer after a dispatch"
-        # NCCL EP's "buffer" is its group, which parallel_state keeps.
-        buffer_ref = weakref.ref(buffer) if backend != "ncclep" else lambda: None
-        del buffer
 
         release = fused_a2a.reset_fused_a2a_buffers(
             collective=True, group=torch.distributed.group.WORLD
@@ -128,7 +194,11 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
         assert release.freed == {backend: 1}, f"the release says it freed {release.freed}"
         assert release.leaked == [] and release.left == [], release
         assert _in_use(backend) is None, f"the {backend} buffer outlives the release"
-        assert _freed(buffer_ref), f"the released {backend} buffer was not freed"
+        if backend == "ncclep":
+            assert not fused_a2a.is_nccl_ep_bootstrapped(), "NCCL EP's context outlives it"
+        else:
+            assert _freed(buffer), f"the released {backend} buffer was not freed"
+        del buffer
 
         second = forward_backward(layer, inp)
         assert _in_use(backend) is not None, "the next dispatch did not re-create the buffer"
@@ -148,16 +218,16 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
         inp = make_input()
         expected = forward_backward(layer, inp)
         x, out = run_forward(layer, inp)
-        buffer_ref = weakref.ref(_in_use(backend))
+        buffer = _in_use(backend)
         with pytest.raises(RuntimeError, match="autograd graph"):
             fused_a2a.reset_fused_a2a_buffers(collective=True, group=torch.distributed.group.WORLD)
-        assert _in_use(backend) is buffer_ref() and not _freed(buffer_ref)
+        assert _in_use(backend) is buffer and not _freed(buffer)
         assert_bitwise_equal(run_backward(layer, x, out), expected, "after a refused release")
         del x, out
         release = fused_a2a.reset_fused_a2a_buffers(
             collective=True, group=torch.distributed.group.WORLD
         )
-        assert release.freed == {backend: 1} and _freed(buffer_ref), release
+        assert release.freed == {backend: 1} and _freed(buffer), release
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
     @pytest.mark.internal
@@ -194,7 +264,7 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
         Utils.initialize_model_parallel(expert_model_parallel_size=8)
         layer = build_moe_layer("hybridep")
         first = forward_backward(layer, make_input())
-        buffer_ref = weakref.ref(_in_use("hybridep"))
+        buffer_ref = weakref.ref(_in_use("hybridep"))  # the module's references only
 
         def no_collective(*args, **kwargs):
             raise AssertionError("reset_fused_a2a_buffers() waited for its peers")
@@ -203,7 +273,7 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
             m.setattr(torch.distributed, "barrier", no_collective)
             m.setattr(torch.distributed, "all_gather_object", no_collective)
             fused_a2a.reset_fused_a2a_buffers()
-        assert _in_use("hybridep") is None and not _freed(buffer_ref)
+        assert _in_use("hybridep") is None and not _freed(buffer_ref())
         assert_bitwise_equal(forward_backward(layer, make_input()), first, "taken back")
         assert _in_use("hybridep") is buffer_ref(), "the next dispatch did not take it back"
 
@@ -254,9 +324,11 @@ class TestFusedA2ACommBuffers(TwoEPGroups):
         Utils.initialize_model_parallel(expert_model_parallel_size=8)
         group = parallel_state.get_expert_model_parallel_group()
         events = _record_deep_ep_buffers(monkeypatch)
-        fused_a2a.get_buffer(group, HIDDEN_SIZE)
+        old = weakref.ref(fused_a2a.get_buffer(group, HIDDEN_SIZE))
         fused_a2a.get_buffer(group, HIDDEN_SIZE * 2)  # larger: a replacement
         assert events == ["create 0", "create 1"], f"the replacement destroyed a buffer: {events}"
+        # Upstream drops the old one here, so its destructor frees it wherever it dies.
+        assert old() is not None and not _freed(old()), "the replaced buffer was freed"
         release = fused_a2a.reset_fused_a2a_buffers(
             collective=True, group=torch.distributed.group.WORLD
         )

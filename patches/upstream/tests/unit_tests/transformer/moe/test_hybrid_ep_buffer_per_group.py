@@ -167,8 +167,8 @@ class TestHybridEPBufferPerGroup(TwoEPGroups):
     def test_hybridep_buffer_of_a_destroyed_group_serves_no_dispatch(self, monkeypatch):
         """After the groups are destroyed (an in-process restart's abort: the ranks may be other
         processes now) and model parallelism is initialized again, the next dispatch runs on a
-        buffer made for the new group, bitwise as the first lifetime did, and the old buffer is
-        not freed (nothing here frees a buffer whose peers map it)."""
+        buffer made for the new group, bitwise as the first lifetime did: the old group's
+        buffer serves no dispatch."""
         skip_unless("hybridep")
         made = []
 
@@ -194,6 +194,5 @@ class TestHybridEPBufferPerGroup(TwoEPGroups):
         second = forward_backward(layer, make_input())
         assert_bitwise_equal(second, first, "after the groups were destroyed")
         assert len(made) == 2, f"{len(made)} HybridEP buffers made: the old group's was reused"
-        assert made[0]() is not None, "the old group's buffer was freed"
         assert fused_a2a._hybrid_ep_buffer is made[1]()
         assert made[1]().group is layer.token_dispatcher.tp_ep_group
