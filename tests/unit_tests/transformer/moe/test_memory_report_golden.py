@@ -50,8 +50,8 @@ def test_run_matches_golden_values(report):
 
 
 # What a rank holds between calls moves by a few routing-sized host bytes from run to run (rank
-# 0's base: 8,396,155 B in the golden run, 8,396,179 B in a CI run of 2026-12-05, where the drop
-# came 8 B short of the dispatcher's 936,416 B); the fault matrix allows the same 128 B.
+# 0's base: 8,396,155 B in the golden run of 2026-12-05, 8,396,179 B in a CI run that day, where
+# the drop came 8 B short of the dispatcher's 936,416 B); the fault matrix allows the same 128 B.
 HELD_JITTER_BYTES = 128
 
 
