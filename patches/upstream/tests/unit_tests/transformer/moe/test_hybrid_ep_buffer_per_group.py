@@ -141,7 +141,9 @@ class TestHybridEPBufferPerGroup(TwoEPGroups):
     def test_hybridep_reinitialization_reuses_the_buffer(self, monkeypatch):
         """Model parallelism initialized, a step, torn down, five times over (as tests that
         re-initialize per test do): each round's dispatch runs on a buffer of its groups' ranks,
-        and one buffer is made, not one per round."""
+        and one buffer is made, not one per round. destroy_model_parallel() forgets the groups
+        and destroys none, so the buffer's group lives on; a teardown that destroys them (#7029)
+        makes the next round allocate, and the old buffer waits for the explicit release."""
         skip_unless("hybridep")
         made = []
 
