@@ -153,6 +153,9 @@ def test_run_distributed_refuses_bad_placement(device, backend, message):
 DEVICE_CHECK = REPO_ROOT / "scripts" / "device-check"
 
 
+PEAK_JITTER_BYTES = 2048
+
+
 def _device_check(tmp_path, env_file, *args):
     env = dict(
         os.environ, DEVICE_TREES_ENV=str(env_file), OUT=str(tmp_path / "out"), PYTHON=sys.executable
@@ -204,8 +207,12 @@ def test_device_check_runs_the_report_end_to_end(tmp_path, base_tree, patched_tr
         assert p["comm_buffers"]["allocator_bytes_released"] == p["comm_buffers"]["emulated_bytes"]
     # The warm-peak reduction is the base's dispatcher state alive at its peak, measured by
     # dropping it in the base where the release does (fails on an unpatched "patched" tree).
+    # Each figure is the base's peak minus another run's peak: with --quick, dropping after the
+    # forward and after the backward lower the peak almost alike, and host allocations move a
+    # run's peak by up to a few hundred bytes (after_backward came 820 B above after_forward in
+    # one of two runs of 2026-12-06), so the order holds within PEAK_JITTER_BYTES.
     for rank, e in enumerate(report["warm_peak_explained"]):
-        assert e["after_forward"] >= e["after_backward"] > 0, e
+        assert e["after_forward"] + PEAK_JITTER_BYTES >= e["after_backward"] > 0, e
         assert report["targets"][f"rank {rank} warm peak reduction"].endswith(": met"), e
     # The HybridEP accounting's prediction beside the measurement (buffer and one call).
     assert "HybridEP accounting" in text and "combine_output (max call)" in text
