@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from moe_release import settings
-from moe_release.series import probes
+from moe_release.series import applying, probes
 from moe_release.series.applying import CONFLICT, Records, merge_right, merge_series
 from moe_release.series.merge import series_states
 from moe_release.series.nearest import open_checkout
@@ -111,6 +111,53 @@ def test_a_file_that_does_not_parse_is_left_to_the_merge():
     assert probes.failures(_files(CALLABLES="<<<<<<< REF\nx = (\n")) == []
 
 
+def test_a_dispatcher_that_never_resets_after_combine_fails():
+    cls = "class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):\n"
+    reset = "    def reset_transient_forward_state(self):\n        self.probs = None\n"
+    called = "    def token_unpermutation(self, x):\n" \
+             "        self._maybe_reset_transient_forward_state()\n        return x\n"  # fmt: skip
+    only_reset = _files(TOKEN_DISPATCHER=cls + reset)  # a reset nothing calls after combine
+    assert [(p.name, m) for p, m in probes.failures(only_reset)] == [
+        ("alltoall", f"{probes.TOKEN_DISPATCHER}:1 MoEAlltoAllTokenDispatcher never calls "
+                     "_maybe_reset_transient_forward_state() after combine")
+    ]  # fmt: skip
+    assert probes.failures(_files(TOKEN_DISPATCHER=cls + reset + called)) == []
+    assert probes.failures(_files(TOKEN_DISPATCHER="class Other:\n    pass\n")) == []
+
+
+def test_a_schedule_node_that_keeps_before_detached_fails():
+    node = ("class TransformerLayerNode(ScheduleNode):\n    def detach(self, t):\n"
+            "        self.before_detached = self.before_detached + (t,)\n")  # fmt: skip
+    release = "    def _release_state(self):\n        self.before_detached = tuple()\n"
+    for where in ("CALLABLES", "COMMON_UTILS"):  # before and after #4798 moved the node
+        kept = probes.failures(_files(**{where: node}))
+        assert [p.name for p, _ in kept] == ["schedule-node"]
+        assert "TransformerLayerNode keeps before_detached after its backward" in kept[0][1]
+        assert probes.failures(_files(**{where: node + release})) == []
+
+
+def test_nccl_ep_without_its_release_fails():
+    boot = "def ensure_nccl_ep_bootstrapped(group):\n    pass\n"
+    release = ("def reset_fused_a2a_buffers(*, collective=False, group=None):\n"
+               "    nccl_ep_release_context()\n")  # fmt: skip
+    defined = "def nccl_ep_release_context():\n    pass\n"
+    left = probes.failures(_files(FUSED_A2A=boot + release))  # called, never defined
+    assert [p.name for p, _ in left] == ["nccl-ep"]
+    assert left[0][0].patch == probes.NCCL_EP_PATCH
+    assert probes.failures(_files(FUSED_A2A=boot + release, TOKEN_DISPATCHER=defined)) == []
+    old_release = "def reset_fused_a2a_buffers():\n    pass\n"  # no explicit release at all
+    assert {p.name for p, _ in probes.failures(_files(FUSED_A2A=boot + old_release))} == {"nccl-ep"}
+    done, left = probes.releases(_files(FUSED_A2A=boot + release, TOKEN_DISPATCHER=defined))
+    assert (done, left) == (["NCCL EP's context"], [])
+    assert probes.releases_line(_files(FUSED_A2A=boot + old_release)) == (
+        "releases nothing; leaves unreleased: NCCL EP's context: "
+        f"{probes.FUSED_A2A} bootstraps NCCL EP and the release never runs "
+        "nccl_ep_release_context()"
+    )
+    nothing = "has none of the backends and paths the series releases"
+    assert probes.releases_line(_files()) == nothing
+
+
 # ----------------------------------------------------------------------------- stored series
 
 
@@ -126,14 +173,15 @@ def _result(name: str) -> tuple[dict, dict]:
 
 
 # What each base lacks that its series fixes (read off the release tests that fail unpatched:
-# test_cpu_guards and the A2A-overlap retention tests).
+# test_cpu_guards and the A2A-overlap retention tests), besides the releases every base lacks.
+RELEASES = {"flex", "alltoall", "allgather", "schedule-node", "chunk-state", "hybridep", "deepep"}
 BASE_FAILS = {
-    "0.16.1": {"te_general_gemm"},
-    "0.17.0": {"layer-state"},
-    "0.17.1": {"layer-state"},
-    "0.18.0": {"triton", "layer-state"},
-    "0.18.2": {"triton", "layer-state"},
-    "0.19.2": {"triton", "layer-state"},
+    "0.16.1": RELEASES | {"te_general_gemm"},
+    "0.17.0": RELEASES | {"layer-state"},
+    "0.17.1": RELEASES | {"layer-state"},
+    "0.18.0": RELEASES | {"triton", "layer-state"},
+    "0.18.2": RELEASES | {"triton", "layer-state"},
+    "0.19.2": RELEASES | {"triton", "layer-state", "nccl-ep"},
 }
 
 
@@ -142,6 +190,13 @@ def test_every_stored_series_passes_and_its_base_fails(name):
     base, result = _result(name)
     assert probes.failures(result) == []
     assert {p.name for p, _ in probes.failures(base)} == BASE_FAILS[name]
+    done, left = probes.releases(result)
+    assert left == [] and "the flex dispatcher's state" in done
+    assert ("NCCL EP's context" in done) == (name == "0.19.2")  # NCCL EP from 0.19
+    # A base releases none of them, but 0.16.1 its layer state (main dropped that in #3164).
+    assert probes.releases(base)[0] == (
+        ["the A2A overlap's layer state"] if name == "0.16.1" else []
+    )
 
 
 def _ref_017_with_016_series():
@@ -202,6 +257,38 @@ def test_merge_right_gives_up_where_no_series_has_a_right_patch():
     assert states is s16 and any(s.outcome.probe for s in steps)
 
 
+def test_first_whole_takes_a_farther_series_only_whole_and_carrying_every_patch():
+    """REF: the 0.19.2 base (NCCL EP). The 0.18.0 series conflicts there and has no NCCL EP
+    release; 0.18.2's conflicts too; 0.16.1's would leave out the layer-state patch 0.18.0
+    carries; 0.19.2's own series is whole and releases every backend and path REF has."""
+    f19 = read_base_files(PINS.get("0.19.2"))
+    states = {n: series_states(read_base_files(PINS.get(n)), read_series(PINS.get(n)))
+              for n in ("0.18.0", "0.18.2", "0.16.1", "0.19.2")}  # fmt: skip
+    paths = {fp.path for st in states.values() for p, _, _ in st for fp in p.files}
+    at_ref = {p: f19.get(p) for p in paths | set(probes.PATHS)}
+    tried = []
+
+    def merge(name):
+        def run():
+            tried.append(name)
+            return states[name], merge_series(states[name], at_ref, Records(), probe_files=at_ref)
+
+        return name, run
+
+    nearest = merge("0.18.0")[1]()[1]
+    assert any(s.outcome.verdict == CONFLICT for s in nearest)
+    assert not applying.carries_all(states["0.16.1"], states["0.18.0"])
+    farther = ("0.18.2", "0.16.1", "0.19.2")
+    got = applying.first_whole(states["0.18.0"], [merge(n) for n in farther])
+    assert got is not None and got[0] == "0.19.2" and tried == ["0.18.0", *farther]
+    final = dict(at_ref)
+    for step in got[2]:
+        final.update(step.changed)
+    assert probes.releases(final)[1] == [] and "NCCL EP's context" in probes.releases(final)[0]
+    # None whole and carrying every patch: the nearest stays, for a person.
+    assert applying.first_whole(states["0.18.0"], [merge("0.18.2"), merge("0.16.1")]) is None
+
+
 # ----------------------------------------------------------------------------- on the mirror
 
 
@@ -233,6 +320,21 @@ def test_on_the_mirror_a_clean_wrong_merge_takes_a_patch_from_another_series(com
     rows, _ = sweep(open_checkout(mirror), ("main", "dev"), *[result_date(mirror, commit)] * 2)
     row = next(r for r in rows if r.commit.startswith(commit))
     assert row.series == series and BORROWED in row.codes and row.whole
+
+
+@pytest.mark.needs_env(CHECKOUT_ENV)
+def test_on_the_mirror_the_nccl_ep_window_takes_a_series_that_releases_it():
+    """main 2026-07-08 .. 07-15: NCCL EP landed (#5129), the nearest series (0.18.0) has no
+    release for it and conflicts; apply takes 0.19.2's, whole, with the schedule node's release
+    from 0.18.0 (the node is still in fine_grained_callables.py there), and says so."""
+    mirror = Path(settings.megatron_lm())
+    _, result, _ = run_apply(mirror, "1aa880d0ea1d", dry_run=True)
+    assert result.ok and result.choice.base.name == "0.19.2"
+    assert "the nearest, 0.18.0, conflicts in" in result.choice.why
+    assert [(o.borrowed, o.patch) for o in result.outcomes if o.borrowed] == [
+        ("0.18.0", "cp-fix-moe-A2A-overlap-drop-a-schedule-node-s-detach.patch")
+    ]
+    assert result.releases.endswith("NCCL EP's context; leaves unreleased: none")
 
 
 def result_date(mirror: Path, commit: str) -> str:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from moe_release.series.common import UserError
 from moe_release.series.hunkstate import files_series_states
@@ -220,6 +220,32 @@ State = tuple[Patch, Files, Files]
 def primary_name(patch: Patch) -> str:
     """The primary series' patch ``patch`` is (its ``Backport-Of:`` trailer, or its name)."""
     return (patch.trailers.get("Backport-Of") or [patch.name])[0]
+
+
+def carries_all(states: Sequence[State], nearest: Sequence[State]) -> bool:
+    """Whether ``states`` carry every patch of ``nearest`` (by the primary series' patch each
+    is): a farther series stands in for the nearest only where it leaves none of its changes
+    out."""
+    return {primary_name(p) for p, _, _ in nearest} <= {primary_name(p) for p, _, _ in states}
+
+
+def whole(steps: Sequence[Step]) -> bool:
+    """Whether a merge needs no person: no patch conflicts or fails a probe."""
+    return all(s.outcome.verdict != CONFLICT for s in steps)
+
+
+def first_whole(
+    nearest: Sequence[State],
+    candidates: Iterable[tuple[str, Callable[[], tuple[list[State], list[Step]]]]],
+) -> Optional[tuple[str, list[State], list[Step]]]:
+    """Where the nearest series' merge is not whole: the first of ``candidates`` (its name and
+    how to merge it: the states merged and their steps; nearer first) whose merge is whole and
+    carries every patch of ``nearest`` (the nearest's own states); None if none does."""
+    for name, merge in candidates:
+        states, steps = merge()
+        if whole(steps) and carries_all(states, nearest):
+            return name, states, steps
+    return None
 
 
 def merge_right(

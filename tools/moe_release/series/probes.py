@@ -54,6 +54,10 @@ class Probe:
     patch: str  # the primary series' patch (patches/series) that keeps the promise
     paths: tuple[str, ...]  # the files it reads (absent ones are None)
     check: Callable[[Files], Optional[str]]  # what is wrong, in a line; None when it holds
+    # A release probe: what it releases, in words, and whether the files have that backend or
+    # path at all (None: a probe of something else, e.g. a CPU import).
+    releases: str = ""
+    present: Optional[Callable[[Files], bool]] = None
 
 
 def _tree(files: Files, path: str) -> Optional[ast.Module]:
@@ -195,6 +199,177 @@ def elastic_buffer_kept(files: Files) -> Optional[str]:
 
 
 DEEPEP_V2_PATCH = "MoE-Free-the-HybridEP-and-DeepEP-buffers-only-by-an-.patch"
+FLEX_PATCH = "MoE-Release-flex-dispatcher-state-after-combine.patch"
+ALLTOALL_PATCH = "MoE-Release-all-to-all-dispatcher-state-after-combin.patch"
+ALLGATHER_PATCH = "MoE-Release-all-gather-dispatcher-state-after-combin.patch"
+SCHEDULE_NODE_PATCH = "MoE-A2A-overlap-drop-a-schedule-node-s-detached-tens.patch"
+CHUNK_STATE_PATCH = "MoE-A2A-overlap-release-the-chunk-state-after-backwa.patch"
+COMM_BUFFERS_PATCH = DEEPEP_V2_PATCH
+NCCL_EP_PATCH = "MoE-Release-NCCL-EP-s-context-and-zero-copy-buffers-.patch"
+
+# ----------------------------------------------------------------------------- the releases
+#
+# What the series releases, per backend and path a tree has: each is present where the tree
+# has the code (the dispatcher class, the schedule node, the backend's buffer) and released
+# where the method or function the series adds for it is there. A tree that has a backend and
+# not its release fails the probe, and apply then borrows the release from another series.
+
+TOKEN_DISPATCHER = "megatron/core/transformer/moe/token_dispatcher.py"
+COMMON_UTILS = "megatron/core/models/common/utils.py"
+CHUNK_PLAN = "megatron/core/models/common/model_chunk_schedule_plan.py"
+DISPATCHER_CALL = "_maybe_reset_transient_forward_state"
+RELEASE_FN = "reset_fused_a2a_buffers"
+NCCL_EP_RELEASE = "nccl_ep_release_context"
+
+
+def _classes(files: Files, path: str) -> dict[str, ast.ClassDef]:
+    module = _tree(files, path)
+    if module is None:
+        return {}
+    return {n.name: n for n in ast.walk(module) if isinstance(n, ast.ClassDef)}
+
+
+def _methods(cls: ast.ClassDef) -> dict[str, ast.FunctionDef]:
+    return {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
+
+
+def _functions(module: Optional[ast.Module]) -> dict[str, ast.FunctionDef]:
+    """Every function the module defines (at any level: a try or an ``if`` included)."""
+    if module is None:
+        return {}
+    return {n.name: n for n in ast.walk(module) if isinstance(n, ast.FunctionDef)}
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+    }
+
+
+def _dispatcher(cls_name: str) -> tuple[Callable[[Files], bool], Callable[[Files], Optional[str]]]:
+    """A dispatcher class's state: present where TOKEN_DISPATCHER defines the class, released
+    where one of its methods calls the reset once combine is done (DISPATCHER_CALL; a reset
+    nothing calls after combine, as dev's for the overlap schedule only, releases nothing)."""
+
+    def present(files: Files) -> bool:
+        return cls_name in _classes(files, TOKEN_DISPATCHER)
+
+    def check(files: Files) -> Optional[str]:
+        cls = _classes(files, TOKEN_DISPATCHER).get(cls_name)
+        if cls is None or any(DISPATCHER_CALL in _names(m) for m in _methods(cls).values()):
+            return None
+        return (f"{TOKEN_DISPATCHER}:{cls.lineno} {cls_name} never calls "
+                f"{DISPATCHER_CALL}() after combine")  # fmt: skip
+
+    return present, check
+
+
+def _detaching_nodes(files: Files) -> list[tuple[str, ast.ClassDef]]:
+    """The schedule-node classes that store ``self.before_detached`` outside ``__init__`` and
+    ``__del__`` (the node of the A2A overlap that keeps what ``detach`` saved), with their
+    file."""
+    out = []
+    for path in (CALLABLES, COMMON_UTILS):
+        for cls in _classes(files, path).values():
+            for name, fn in _methods(cls).items():
+                if name in ("__init__", "__del__", "_release_state"):
+                    continue
+                if any(
+                    isinstance(t, ast.Attribute) and t.attr == "before_detached"
+                    for n in ast.walk(fn)
+                    if isinstance(n, ast.Assign)
+                    for t in n.targets
+                ):
+                    out.append((path, cls))
+                    break
+    return out
+
+
+def schedule_node_released(files: Files) -> Optional[str]:
+    """a2a-overlap: a schedule node that keeps ``before_detached`` drops it in
+    ``_release_state`` (once its backward has run)."""
+    for path, cls in _detaching_nodes(files):
+        release = _methods(cls).get("_release_state")
+        if release is None or "before_detached" not in _names(release):
+            return f"{path}:{cls.lineno} {cls.name} keeps before_detached after its backward"
+    return None
+
+
+def _chunk_plan_present(files: Files) -> bool:
+    return "TransformerModelChunkSchedulePlan" in _classes(files, CHUNK_PLAN)
+
+
+def chunk_state_released(files: Files) -> Optional[str]:
+    """a2a-overlap: the chunk plan's release_state() clears the chunk state's tensors."""
+    cls = _classes(files, CHUNK_PLAN).get("TransformerModelChunkSchedulePlan")
+    if cls is None or "_CHUNK_STATE_TENSORS" in _names(cls):
+        return None
+    return (f"{CHUNK_PLAN}:{cls.lineno} TransformerModelChunkSchedulePlan keeps the chunk "
+            "state's tensors after its backward")  # fmt: skip
+
+
+def _mentions(path: str, *names: str) -> Callable[[Files], bool]:
+    def present(files: Files) -> bool:
+        module = _tree(files, path)
+        return module is not None and bool(_names(module) & set(names))
+
+    return present
+
+
+def _explicit_release(files: Files) -> Optional[ast.FunctionDef]:
+    """fused_a2a's reset_fused_a2a_buffers where it takes ``collective`` (the explicit, agreed
+    release the series adds); None otherwise."""
+    fn = _functions(_tree(files, FUSED_A2A)).get(RELEASE_FN)
+    if fn is None:
+        return None
+    args = [a.arg for a in (*fn.args.args, *fn.args.kwonlyargs)]
+    return fn if "collective" in args else None
+
+
+def _buffers_released(what: str) -> Callable[[Files], Optional[str]]:
+    def check(files: Files) -> Optional[str]:
+        if _explicit_release(files) is not None:
+            return None
+        return f"{FUSED_A2A} has {what} and no {RELEASE_FN}(collective=True, group=...)"
+
+    return check
+
+
+def _nccl_ep_present(files: Files) -> bool:
+    return "ensure_nccl_ep_bootstrapped" in _functions(_tree(files, FUSED_A2A))
+
+
+def nccl_ep_released(files: Files) -> Optional[str]:
+    """comm-buffers: where NCCL EP is bootstrapped, the explicit release finalizes its context
+    (nccl_ep_release_context, defined beside the manager or in fused_a2a)."""
+    if not _nccl_ep_present(files):
+        return None
+    release = _explicit_release(files)
+    defined = NCCL_EP_RELEASE in _functions(_tree(files, FUSED_A2A)) | _functions(
+        _tree(files, TOKEN_DISPATCHER)
+    )
+    if release is not None and defined and NCCL_EP_RELEASE in _names(release):
+        return None
+    return f"{FUSED_A2A} bootstraps NCCL EP and the release never runs {NCCL_EP_RELEASE}()"
+
+
+_FLEX = _dispatcher("MoEFlexTokenDispatcher")
+_ALLTOALL = _dispatcher("MoEAlltoAllTokenDispatcher")
+_ALLGATHER = _dispatcher("MoEAllGatherTokenDispatcher")
+_HYBRIDEP = _mentions(FUSED_A2A, "HybridEPBuffer")
+_DEEPEP = _mentions(FUSED_A2A, "Buffer")
+_DEEPEP_V2 = _mentions(FUSED_A2A, "ElasticBuffer")
+
+
+def _deep_ep_v2_released(files: Files) -> Optional[str]:
+    return _buffers_released("DeepEP v2's ElasticBuffer")(files) or elastic_buffer_kept(files)
+
+
+def _layer_state_present(files: Files) -> bool:
+    module = _tree(files, CALLABLES)
+    return module is not None and "layer_state" in _names(module)
+
+
 PROBES = (
     Probe(
         "cpu-import",
@@ -204,8 +379,96 @@ PROBES = (
         triton_guard,
     ),  # fmt: skip
     Probe("cpu-import", "te_general_gemm", CPU_IMPORT_PATCH, (MOE_UTILS,), te_general_gemm_bound),
-    Probe("a2a-overlap", "layer-state", LAYER_STATE_PATCH, (CALLABLES,), layer_state_released),
-    Probe("comm-buffers", "deepep-v2", DEEPEP_V2_PATCH, (FUSED_A2A,), elastic_buffer_kept),
+    Probe(
+        "dispatcher-state",
+        "flex",
+        FLEX_PATCH,
+        (TOKEN_DISPATCHER,),
+        _FLEX[1],
+        "the flex dispatcher's state",
+        _FLEX[0],
+    ),
+    Probe(
+        "dispatcher-state",
+        "alltoall",
+        ALLTOALL_PATCH,
+        (TOKEN_DISPATCHER,),
+        _ALLTOALL[1],
+        "the all-to-all dispatcher's state",
+        _ALLTOALL[0],
+    ),
+    Probe(
+        "dispatcher-state",
+        "allgather",
+        ALLGATHER_PATCH,
+        (TOKEN_DISPATCHER,),
+        _ALLGATHER[1],
+        "the all-gather dispatcher's state",
+        _ALLGATHER[0],
+    ),
+    Probe(
+        "a2a-overlap",
+        "schedule-node",
+        SCHEDULE_NODE_PATCH,
+        (CALLABLES, COMMON_UTILS),
+        schedule_node_released,
+        "the A2A overlap's schedule nodes",
+        lambda f: bool(_detaching_nodes(f)),
+    ),
+    Probe(
+        "a2a-overlap",
+        "layer-state",
+        LAYER_STATE_PATCH,
+        (CALLABLES,),
+        layer_state_released,
+        "the A2A overlap's layer state",
+        _layer_state_present,
+    ),
+    Probe(
+        "a2a-overlap",
+        "chunk-state",
+        CHUNK_STATE_PATCH,
+        (CHUNK_PLAN,),
+        chunk_state_released,
+        "the A2A overlap's chunk state",
+        _chunk_plan_present,
+    ),
+    Probe(
+        "comm-buffers",
+        "hybridep",
+        COMM_BUFFERS_PATCH,
+        (FUSED_A2A,),
+        _buffers_released("HybridEP's buffer"),
+        "HybridEP's buffers",
+        _HYBRIDEP,
+    ),
+    Probe(
+        "comm-buffers",
+        "deepep",
+        COMM_BUFFERS_PATCH,
+        (FUSED_A2A,),
+        _buffers_released("DeepEP's Buffer"),
+        "DeepEP's buffers",
+        _DEEPEP,
+    ),
+    Probe(
+        "comm-buffers",
+        "deepep-v2",
+        DEEPEP_V2_PATCH,
+        (FUSED_A2A,),
+        _deep_ep_v2_released,
+        "DeepEP v2's buffers",
+        _DEEPEP_V2,
+    ),
+    Probe(
+        "comm-buffers",
+        "nccl-ep",
+        NCCL_EP_PATCH,
+        (FUSED_A2A, TOKEN_DISPATCHER),
+        nccl_ep_released,
+        "NCCL EP's context",
+        _nccl_ep_present,
+    ),
 )
 PATHS = tuple(sorted({p for probe in PROBES for p in probe.paths}))
 
@@ -215,7 +478,34 @@ def failures(files: Files) -> list[tuple[Probe, str]]:
     what is wrong."""
     out = []
     for probe in PROBES:
+        if probe.present is not None and not probe.present(files):
+            continue
         msg = probe.check(files)
         if msg is not None:
             out.append((probe, msg))
     return out
+
+
+def releases(files: Files) -> tuple[list[str], list[str]]:
+    """What the files release and what they leave unreleased, of the backends and paths they
+    have: (released, ["<what>: <what is wrong>"]), each in the probes' order."""
+    done, left = [], []
+    for probe in PROBES:
+        if probe.present is None or not probe.present(files):
+            continue
+        msg = probe.check(files)
+        if msg is None:
+            done.append(probe.releases)
+        else:
+            left.append(f"{probe.releases}: {msg}")
+    return done, left
+
+
+def releases_line(files: Files) -> str:
+    """One line: what a tree releases and which of its backends and paths it leaves
+    unreleased ("none" when it releases every one)."""
+    done, left = releases(files)
+    if not done and not left:
+        return "has none of the backends and paths the series releases"
+    return (f"releases {', '.join(done) or 'nothing'}; leaves unreleased: "
+            f"{'; '.join(left) or 'none'}")  # fmt: skip

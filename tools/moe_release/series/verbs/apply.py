@@ -53,10 +53,12 @@ from moe_release.series.applying import (
     Outcome,
     Records,
     Step,
+    first_whole,
     merge_right,
     merge_series,
     replay,
     replay_other,
+    whole,
 )
 from moe_release.series.checkout import APPLY_DIR, LABEL_SUBJECT, label_files
 from moe_release.series.common import REPO_ROOT, UserError, log
@@ -87,6 +89,7 @@ from moe_release.series.patches import Patch, parse_patch, patch_author, patch_s
 from moe_release.series.pins import Base, load_pins
 from moe_release.series.probes import PATHS as PROBE_PATHS
 from moe_release.series.probes import failures as probe_failures
+from moe_release.series.probes import releases_line
 from moe_release.series.repo import read_series
 from moe_release.series.source import read_base_files
 from moe_release.series.topics import load_topics
@@ -107,6 +110,7 @@ class ApplyResult:
     commit: Optional[str]  # the last commit built in the scratch repository (None: none)
     ok: bool
     version: Optional[str] = None  # the label commit's megatron-core version (None: none)
+    releases: str = ""  # what the result releases and leaves unreleased (probes.releases_line)
 
 
 def resolution_path(choice: Choice, ref: str, patch_name: str) -> Path:
@@ -178,11 +182,17 @@ class _Prepared:
 
 
 def _prepare(
-    co: Checkout, ref: str, mirror: Optional[Path], root: Path, series_name: Optional[str]
+    co: Checkout,
+    ref: str,
+    mirror: Optional[Path],
+    root: Path,
+    series_name: Optional[str],
+    announce: bool = True,
 ) -> _Prepared:
     choice = choose_series(co, ref, root, series_name)
     base = choice.base
-    log(f"{co.describe(ref)}: series {base.series}")
+    if announce:
+        log(f"{co.describe(ref)}: series {base.series}")
     source = co.path if base.is_commit and co.has(base.commit) else mirror
     states = series_states(read_base_files(base, source), read_series(base, root))
     adir = choice.series_dir / APPLY_DIR / ref[:12]
@@ -247,21 +257,29 @@ def probe_failure(steps: list[Step]) -> str:
 def _merge_nearest_right(
     co: Checkout, ref: str, mirror: Optional[Path], root: Path, series_name: Optional[str]
 ) -> tuple[_Prepared, list[Step]]:
-    """The nearest series merged onto ``ref`` (applying.merge_right: a probe's patch borrowed
-    from the next nearest series that has it, where that makes the result whole and right);
-    if that still fails a probe and no --series names the series, the next nearest series
-    that merges whole and right, so merged."""
+    """The nearest series merged onto ``ref`` (applying.merge_right: a probe's patch, a
+    release of a backend or path REF has included, borrowed from the next nearest series that
+    has it, where that makes the result whole and right); if that still conflicts or fails a
+    probe and no --series names the series, the next nearest series that merges whole and
+    right and carries every patch of the nearest (applying.first_whole), so merged; a person
+    is asked only where none does, with the nearest."""
     probe_files = co.files(ref, list(PROBE_PATHS))
     primary = list(load_topics(root).of_patch)
     own: dict[str, list] = {}  # each series' own states (merge_right replaces prep.states)
 
     def prepare(name: Optional[str]) -> _Prepared:
-        prep = _prepare(co, ref, mirror, root, name)
+        prep = _prepare(co, ref, mirror, root, name, announce=not own)
         own.setdefault(prep.choice.base.name, list(prep.states))
         return prep
 
     def merged(prep: _Prepared) -> list[Step]:
         where = str(prep.choice.series_dir / APPLY_DIR)
+        merge = lambda st: merge_series(  # noqa: E731
+            st, prep.at_ref, prep.records, prep.style, where, probe_files
+        )
+        steps = merge(prep.states)
+        if not probe_failure(steps):
+            return steps
         others = []
         for name in prep.choice.order:
             if name == prep.choice.base.name:
@@ -270,37 +288,49 @@ def _merge_nearest_right(
                 others.append((name, own[name] if name in own else prepare(name).states))
             except UserError:
                 continue
-        prep.states, steps = merge_right(
-            prep.states,
-            others,
-            lambda st: merge_series(st, prep.at_ref, prep.records, prep.style, where, probe_files),
-            primary,
-        )
+        prep.states, steps = merge_right(prep.states, others, merge, primary)
         return steps
 
     first = prepare(series_name)
-    plain = merge_series(first.states, first.at_ref, first.records, first.style,
-                         str(first.choice.series_dir / APPLY_DIR), probe_files)  # fmt: skip
-    failed = probe_failure(plain)
-    if not failed:
-        return first, plain
     steps = merged(first)
-    if series_name is not None or all(s.outcome.verdict != CONFLICT for s in steps):
+    if series_name is not None or whole(steps):
         return first, steps
-    for name in first.choice.order[1:]:
-        try:
-            prep = prepare(name)
-        except UserError:
-            continue
-        alt = merged(prep)
-        if all(s.outcome.verdict != CONFLICT for s in alt):
-            prep.choice.why = (
-                f"{name} is the nearest whose merge is whole and passes the probes; the "
-                f"nearest, {first.choice.base.name}, merges cleanly but leaves {failed} "
-                f"(its choice: {first.choice.why})"
-            )
-            return prep, alt
-    return first, steps
+    found: dict[str, _Prepared] = {}
+
+    def candidates():
+        for name in first.choice.order[1:]:
+            try:
+                found[name] = prepare(name)
+            except UserError:
+                continue
+            yield name, lambda prep=found[name]: _merged_states(prep, merged)
+
+    taken = first_whole(own[first.choice.base.name], candidates())
+    if taken is None:
+        return first, steps
+    name, _, alt = taken
+    failed = probe_failure(steps)
+    why = (f"merges cleanly, but leaves {failed}" if failed else
+           f"conflicts in {_first_conflict(steps)}")  # fmt: skip
+    prep = found[name]
+    prep.choice.why = (
+        f"{name} is the nearest whose merge is whole, carries every patch of the nearest and "
+        f"releases every backend and path REF has; the nearest, {first.choice.base.name}, "
+        f"{why} (its choice: {first.choice.why})"
+    )
+    return prep, alt
+
+
+def _merged_states(
+    prep: _Prepared, merged: Callable[[_Prepared], list[Step]]
+) -> tuple[list, list[Step]]:
+    steps = merged(prep)  # may replace prep.states (a patch borrowed)
+    return prep.states, steps
+
+
+def _first_conflict(steps: list[Step]) -> str:
+    out = next(s.outcome for s in steps if s.outcome.verdict == CONFLICT)
+    return f"{out.patch} ({out.conflicts[0].path})" if out.conflicts else out.patch
 
 
 def apply_series(
@@ -337,12 +367,16 @@ def apply_series(
             renamed = ", ".join(f"{p} merged as {moved[p]}" for p in moved if p in step.changed)
             out.note = f"{out.note}; {renamed}" if out.note else renamed
     ok = all(o.verdict != CONFLICT for o in outcomes)
+    final = co.files(ref, list(PROBE_PATHS))
+    for step in steps:
+        final.update({p: d for p, d in step.changed.items() if p in final})
     version = None
     if ok and head != ref and label:
         head, version = _label_commit(repo, ref, head, choice.base, outcomes, replayed, root)
     if ok and head != ref:
         git(scratch, "update-ref", "refs/heads/apply", head)
-    return ApplyResult(ref, choice, outcomes, head if head != ref else None, ok, version)
+    return ApplyResult(ref, choice, outcomes, head if head != ref else None, ok, version,
+                       releases_line(final) if ok else "")  # fmt: skip
 
 
 def _label_commit(
@@ -520,6 +554,8 @@ def report_lines(co: Checkout, result: ApplyResult) -> list[str]:
     counts = {v: sum(o.verdict == v for o in result.outcomes)
               for v in VERDICTS}  # fmt: skip
     out.append(", ".join(f"{n} {v}" for v, n in counts.items() if n))
+    if result.releases:
+        out.append(f"the branch {result.releases}")
     return out
 
 

@@ -31,8 +31,10 @@ from moe_release.series.applying import (
     REPLAYED,
     Records,
     Step,
+    first_whole,
     merge_right,
     merge_series,
+    whole,
 )
 from moe_release.series.checkout import APPLY_DIR
 from moe_release.series.common import REPO_ROOT, UserError
@@ -65,6 +67,7 @@ class Row:
     codes: str  # one letter per patch (CODES, SETTLED)
     conflict: str  # the first conflict: "patch: file (hunk)"; "" if none
     replayed: list[str]  # the records replayed (<commit12>/<file>)
+    farther: bool = False  # a farther series than the nearest (which conflicts or is wrong)
 
     @property
     def whole(self) -> bool:
@@ -183,7 +186,7 @@ class Sweep:
         """The base apply chooses for ``commit`` (nearest.choose_series's ranking)."""
         return self.ranked(commit, blobs)[0]
 
-    def _merge(self, chosen: _Base, commit: str, blobs: tuple) -> list[Step]:
+    def _merge(self, chosen: _Base, commit: str, blobs: tuple) -> tuple[list, list[Step]]:
         own = next((r for c12, r in chosen.records if c12 == commit[:12]), {})
         key = (chosen.base.name, blobs, commit[:12] if own else "")
         absent = {p for p in chosen.paths if blobs[self.paths.index(p)] is None}
@@ -202,26 +205,30 @@ class Sweep:
                 return merge_series(states, files, Records(own, others), style,
                                     probe_files=probe_files)  # fmt: skip
 
-            steps = merge(chosen.states)
+            states, steps = chosen.states, merge(chosen.states)
             if any(s.outcome.probe for s in steps):  # a probe's patch from another series
                 alts = [(b.base.name, b.states) for b in self.ranked(commit, blobs, full=True)
                         if b is not chosen]  # fmt: skip
-                _, steps = merge_right(chosen.states, alts, merge, self.primary)
-            self._merges[key] = steps
+                states, steps = merge_right(chosen.states, alts, merge, self.primary)
+            self._merges[key] = (states, steps)
         return self._merges[key]
 
     def run_commit(self, line: str, commit: str, date: str) -> Row:
         blobs = self._blobs(commit)
         ranked = self.ranked(commit, blobs)
-        steps = self._merge(ranked[0], commit, blobs)
-        chosen = ranked[0]
-        if any(s.outcome.probe for s in steps):  # apply takes the next whole, right series
-            for other in self.ranked(commit, blobs, full=True)[1:]:
-                alt = self._merge(other, commit, blobs)
-                if all(s.outcome.verdict != CONFLICT for s in alt):
-                    chosen, steps = other, alt
-                    break
-        return _row(line, commit, date, chosen.base.name, steps)
+        chosen, (_, steps) = ranked[0], self._merge(ranked[0], commit, blobs)
+        if not whole(steps):  # apply takes the next whole, right series (first_whole)
+            farther = self.ranked(commit, blobs, full=True)[1:]
+            taken = first_whole(
+                chosen.states,
+                ((b.base.name, lambda b=b: self._merge(b, commit, blobs)) for b in farther),
+            )
+            if taken is not None:
+                name, _, steps = taken
+                chosen = next(b for b in farther if b.base.name == name)
+        row = _row(line, commit, date, chosen.base.name, steps)
+        row.farther = chosen is not ranked[0]
+        return row
 
 
 def _row(line: str, commit: str, date: str, series: str, steps: list[Step]) -> Row:
@@ -287,9 +294,11 @@ def summary_lines(rows: list[Row], facts: dict) -> list[str]:
         bad = [r for r in mine if not r.whole]
         ok = len(mine) - len(bad)
         share = 100.0 * ok / len(mine) if mine else 0.0
+        farther = sum(r.farther and r.whole for r in mine)
         how = (f"{kinds['whole']} merge cleanly, {kinds['settled']} with a conflict the tool "
                f"settles, {kinds['borrowed']} with a patch from another series, "
-               f"{kinds['record']} through a stored resolution")  # fmt: skip
+               f"{kinds['record']} through a stored resolution; {farther} of them with a "
+               "farther series, the nearest conflicting or leaving a release out")  # fmt: skip
         out.append(f"{line}: {len(mine)} commits ({mine[0].date} .. {mine[-1].date}): {ok} "
                    f"({share:.1f}%) take the whole series with no person ({how}), "
                    f"{len(bad)} conflict")  # fmt: skip
@@ -326,6 +335,7 @@ def markdown(rows: list[Row], facts: dict, command: str) -> str:
         text += ["", f"## {line}", "", "| date | commit | series | patches | first conflict |",
                  "|---|---|---|---|---|"]  # fmt: skip
         for r in (r for r in rows if r.line == line):
-            text.append(f"| {r.date} | `{r.commit[:12]}` | {r.series} | `{r.codes}` | "
+            series = f"{r.series} (farther)" if r.farther else r.series
+            text.append(f"| {r.date} | `{r.commit[:12]}` | {series} | `{r.codes}` | "
                         f"{r.conflict.replace('|', '/')} |")  # fmt: skip
     return "\n".join(text) + "\n"
