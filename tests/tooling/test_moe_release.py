@@ -22,6 +22,7 @@ from moe_release.series.patches import (
 )
 from moe_release.series.pins import Base, load_pins, parse_pins
 from moe_release.series.sdist import fetch_sdist
+from moe_release.series.source import read_base_files
 from moe_release.series.trees import (
     MANIFEST_PATH,
     PACKAGE_INFO,
@@ -464,6 +465,26 @@ def test_verify_detects_replaced_files(tmp_path, repo):
     assert verify_installed(core, tree.version, tree) == [
         "megatron/core/transformer/moe/token_dispatcher.py: differs from the series"
     ]
+
+
+def test_verify_says_what_the_install_releases(tmp_path, repo):
+    """verify's last line: what the installed megatron-core releases, of the backends and paths
+    it has (probes.releases_line), and what it leaves unreleased: none for the series; the
+    base's fused_a2a.py put back leaves every communication buffer unreleased."""
+    from moe_release.series.cli import installed_releases
+
+    site = tmp_path / "site"
+    materialize(site, root=repo)
+    core = site / "megatron" / "core"
+    line = installed_releases(core)
+    assert line.startswith("releases the flex dispatcher's state") and "NCCL EP's context" in line
+    assert line.endswith("leaves unreleased: none")
+    fused = "megatron/core/transformer/moe/fused_a2a.py"
+    (site / fused).write_bytes(read_base_files(load_pins().get(None))[fused])
+    left = installed_releases(core).split("leaves unreleased: ")[1].split("; ")
+    assert [item.split(":")[0] for item in left] == [
+        "HybridEP's buffers", "DeepEP's buffers", "NCCL EP's context"
+    ]  # fmt: skip
 
 
 def test_verify_reads_the_base_from_the_installed_manifest(tmp_path, repo):

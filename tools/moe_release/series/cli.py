@@ -46,6 +46,8 @@ from moe_release.series.git import create_edit_repo, export_series
 from moe_release.series.nearest import SERIES_START
 from moe_release.series.patches import overlay_label, parse_patch
 from moe_release.series.pins import load_pins
+from moe_release.series.probes import PATHS as PROBE_PATHS
+from moe_release.series.probes import releases_line
 from moe_release.series.repo import overlay_files, read_series
 from moe_release.series.sdist import fetch_sdist
 from moe_release.series.source import CHECKOUT_ENV, available, not_configured, read_base_files
@@ -177,6 +179,25 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     load_pins().get(args.base)  # an unknown --base before the interpreter is asked
     core_dir, dist_version = find_installed_core(args.python)
+    code = _verify(args, core_dir, dist_version)
+    print(f"  the install {installed_releases(core_dir)}")
+    return code
+
+
+def installed_releases(core_dir: Path) -> str:
+    """What an installed megatron-core releases, of the backends and paths it has, and what it
+    leaves unreleased (probes.releases_line on its files)."""
+    top = core_dir.parent.parent
+    files = {}
+    for path in PROBE_PATHS:
+        try:
+            files[path] = (top / path).read_bytes()
+        except OSError:
+            files[path] = None
+    return releases_line(files)
+
+
+def _verify(args: argparse.Namespace, core_dir: Path, dist_version: Optional[str]) -> int:
     manifest = _installed_manifest(core_dir)
     if args.base is None and manifest is not None and is_checkout_manifest(manifest):
         return _verify_checkout(core_dir, dist_version, manifest)
