@@ -16,8 +16,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """The planner command: the table, or ``--json``; exit 2 on bad input (one line)."""
     notes: List[str] = []
     try:
-        cfg, as_json, held_rows = config_from_args(argv, notes)
-        result = plan(cfg, held_rows)
+        cfg, as_json, held_rows, device_memory = config_from_args(argv, notes)
+        result = plan(cfg, held_rows, device_memory)
     except ValueError as exc:
         field_name, sep, rest = str(exc).partition(": ")
         return _fail(

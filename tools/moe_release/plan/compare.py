@@ -10,16 +10,22 @@ from typing import Dict, Optional
 from moe_release.plan.pricing import planner
 
 MoEMemoryConfig = planner.MoEMemoryConfig
+GiB = 1024**3
 
 
-def plan(cfg: MoEMemoryConfig, held_rows: Optional[int] = None) -> Dict[str, object]:
+def plan(
+    cfg: MoEMemoryConfig, held_rows: Optional[int] = None, device_memory: Optional[int] = None
+) -> Dict[str, object]:
     """Every MoE memory term of ``cfg`` on one rank, base (unpatched megatron-core) beside
     patched (this series), as one JSON-able dict: the shipped estimate of a tree that keeps the
     dispatcher state and of one that releases it. For HybridEP also what a call grows against
-    a buffer of ``held_rows`` per rank already held. A configuration the kernels refuse is a
+    a buffer of ``held_rows`` per rank already held. ``releasable``: what a rank of the patched
+    tree gets back between steps, as a share of ``device_memory`` bytes (None: the planner's
+    default, 80 GiB); the base gets back nothing. A configuration the kernels refuse is a
     ValueError citing the line that refuses it (``kernel_refusal``)."""
-    base = planner.estimate_config(cfg, releases=False)
-    patched = planner.estimate_config(cfg, releases=True)
+    base = planner.estimate_config(cfg, releases=False, device_memory=device_memory)
+    patched = planner.estimate_config(cfg, releases=True, device_memory=device_memory)
+    back = patched.releasable
     shape = planner.layer_shape(cfg)
     flex = cfg.moe_token_dispatcher_type == "flex"
     group = cfg.group_size if flex else cfg.expert_model_parallel_size
@@ -48,12 +54,23 @@ def plan(cfg: MoEMemoryConfig, held_rows: Optional[int] = None) -> Dict[str, obj
             "buffers_outside_allocator": base.buffer_bytes,
             "buffers_outside_allocator_device": base.buffer_device_bytes,
             "buffers_pinned_host": base.buffer_pinned_host_bytes,
-            "buffers_released": base.buffer_released_bytes,
+            "buffers_released": patched.buffer_released_bytes,  # the base has no release
             "retained_per_layer_base": base.dispatcher_state_bytes_per_layer,
             "retained_per_layer_patched": patched.dispatcher_state_bytes_per_layer,
             "retained_between_calls_base": base.dispatcher_state_bytes,
             "retained_between_calls_patched": patched.dispatcher_state_bytes,
+            "releasable_base": base.releasable_bytes,
+            "releasable_patched": patched.releasable_bytes,
         },
+        "releasable": dict(
+            asdict(back),
+            not_priced=list(back.not_priced),
+            buffers=back.buffers,
+            dispatcher_state=back.dispatcher_state,
+            total=back.total,
+            device_bytes=back.device_bytes,
+            device_share=back.device_share,
+        ),
     }
     if flex and cfg.moe_flex_dispatcher_backend == "hybridep":
         out["derived"]["hybridep_rows"] = planner.hybridep_rows(cfg.tokens)
@@ -132,4 +149,28 @@ def format_plan(result: Dict[str, object]) -> str:
         f"{'retained between calls, all MoE layers':52}"
         f"{num(tot['retained_between_calls_base'])}{num(tot['retained_between_calls_patched'])}",
     ]
+    if "releasable" in result:
+        lines.append(release_line(result["releasable"]))
     return "\n".join(lines)
+
+
+def release_line(r: Dict[str, object]) -> str:
+    """The plan's last line: what one rank of the patched tree gets back between steps (for a
+    colocated loop's rollout; the base, with no release, gets back 0): the buffers
+    ``reset_fused_a2a_buffers(collective=True, group=G)`` frees, by kind, plus the dispatcher
+    state no longer held between calls, their total, the device's part of it as a share of the
+    device's memory, and what the total leaves unpriced."""
+    memory = r["device_memory"]
+    size = f"{memory // GiB} GiB" if memory % GiB == 0 else f"{memory:,} B"
+    state = r["dispatcher_state"]
+    state_text = "not modelled" if state is None else f"{state:,} B"
+    line = (
+        f"per rank, back for rollout (patched; base 0): collective buffer release "
+        f"{r['buffers']:,} B (device {r['buffers_device']:,} + pinned host "
+        f"{r['buffers_pinned_host']:,}) + dispatcher state no longer held between calls "
+        f"{state_text} = {r['total']:,} B; on the device {r['device_bytes']:,} B = "
+        f"{r['device_share']:.2%} of {size}"
+    )
+    if r["not_priced"]:
+        line += "; not priced: " + "; ".join(r["not_priced"])
+    return line

@@ -8,6 +8,7 @@ refusing source line); deprecated fields megatron still accepts are read, with a
 import argparse
 import difflib
 import math
+import re
 import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
@@ -421,6 +422,29 @@ def _check_types(values: Dict[str, object]) -> None:
             raise ValueError(f"{name}: must be true or false, got {value!r}")
 
 
+# --device-memory's units, any case: binary (KiB ... TiB) and decimal (KB ... TB).
+SIZE_UNITS = {"": 1, "b": 1}
+SIZE_UNITS.update({f"{p}ib": 1024 ** (i + 1) for i, p in enumerate("kmgt")})
+SIZE_UNITS.update({f"{p}b": 1000 ** (i + 1) for i, p in enumerate("kmgt")})
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes of ``text``: an integer of bytes, or a number with a unit (``80GiB``, ``141GB``,
+    ``79.6GiB``), rounded down to a byte; argparse's error (one line) unless positive."""
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).lower() if match else None
+    if unit not in SIZE_UNITS or ("." in match.group(1) and SIZE_UNITS[unit] == 1):
+        raise argparse.ArgumentTypeError(
+            f"must be bytes or a size such as 80GiB or 141GB, got {text[:40]!r}"
+        )
+    number = float(match.group(1)) if "." in match.group(1) else int(match.group(1))
+    nbytes = int(number * SIZE_UNITS[unit])
+    if nbytes <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text[:40]!r}")
+    return nbytes
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command's parser: Megatron's argument names, each with what it is, its default and
     its unit; the required ones in their own group."""
@@ -478,6 +502,10 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--held-rows", type=int, metavar="ROWS",
                      help="rows per rank of a HybridEP buffer already held, to price a call's "
                      "growth against (default: none held)")  # fmt: skip
+    out.add_argument("--device-memory", type=parse_size, metavar="SIZE",
+                     help="the GPU's memory, which the last line's bytes back for rollout are a "
+                     "share of: bytes, or with a unit such as 80GiB or 141GB (default 80GiB: no "
+                     "config field names the GPU)")  # fmt: skip
     out.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
     return p
 
@@ -485,9 +513,10 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(
     argv: Optional[Sequence[str]] = None, notes: Optional[List[str]] = None
 ) -> tuple:
-    """(MoEMemoryConfig, --json, --held-rows) from the command line; ValueError names the bad
-    argument. Notes (deprecated fields read, fields set but not modelled) are appended to
-    ``notes``, or printed on stderr if it is None."""
+    """(MoEMemoryConfig, --json, --held-rows, --device-memory) from the command line (the
+    device memory in bytes, None if not given); ValueError names the bad argument. Notes
+    (deprecated fields read, fields set but not modelled) are appended to ``notes``, or printed
+    on stderr if it is None."""
     p = build_parser()
     args, extra = p.parse_known_args(argv)
     if extra:
@@ -549,4 +578,4 @@ def config_from_args(
         notes.append("--held-rows prices a HybridEP buffer's growth; not read for this backend")
     for note in notes if printed else ():
         _note(note)
-    return cfg, args.json, args.held_rows
+    return cfg, args.json, args.held_rows, args.device_memory

@@ -774,8 +774,12 @@ def test_estimate_terms_and_what_it_does_not_model():
     leaf = {t.name: t for t in e.dispatcher_state}["recompute input leaf [T, H]"]
     assert (leaf.nbytes, leaf.where) == (105153 * 2048 * 2, planner.ALLOCATOR)
     assert all(t.where == planner.OUTSIDE and t.released for t in e.buffers)
-    assert e.buffer_released_bytes == e.buffer_bytes and e.buffer_pinned_host_bytes == 0
-    assert planner.estimate(fields, 105153, releases=True).dispatcher_state == ()
+    assert e.buffer_pinned_host_bytes == 0
+    # The unpatched tree has no collective release: nothing is releasable there.
+    assert e.buffer_released_bytes == e.releasable_bytes == 0
+    patched = planner.estimate(fields, 105153, releases=True)
+    assert patched.dispatcher_state == ()
+    assert patched.buffer_released_bytes == patched.buffer_bytes
     nccl = planner.estimate(
         dict(fields, moe_flex_dispatcher_backend="ncclep", hidden_size=7168,
              expert_model_parallel_size=8, moe_expert_rank_capacity_factor=1.5),
@@ -2000,3 +2004,150 @@ def test_permute_fusion_keeps_te_row_id_map_worked_by_hand(capsys):
         == 200 * 9 * 4  # fmt: skip
     dp = _names(planner.retained_state_terms(shape, "flex", "deepep"))
     assert dp["reversed_mapping_for_combine: TE row_id_map [150, 2 x 4 + 1] int32"] == 150 * 9 * 4
+
+
+# --------------------------------------------------------------------------------------------
+# What a rank gets back for rollout: the collective release's buffers by kind, plus the
+# dispatcher state the patched tree no longer holds between calls, as a share of the device.
+
+GiB = 1024**3
+# EP16 = 2 nodes x 8 GPUs, DeepEP normal mode, the MoE layer recomputed.
+ROLLOUT = ["--hidden-size", 7168, "--num-experts", 256, "--moe-router-topk", 8, "--num-layers",
+           4, "--tokens-per-rank", 4096, "--bf16", "--expert-model-parallel-size", 16,
+           "--ranks-per-node", 8, "--recompute-granularity", "selective",
+           "--recompute-modules", "moe"] + DEEPEP  # fmt: skip
+
+
+def _rollout_by_hand() -> dict:
+    """The rollout line's figures at ROLLOUT, from deep_ep's and megatron's formulas written out
+    (DEEP_EP_COMMIT; 20 SMs: 10 channels; hidden bytes 7168 x 2 = 14,336; top-8, T = 4,096).
+
+    The collective release frees DeepEP's Buffer. Device, outside the allocator:
+    NVLink buffer (config.hpp:51-73): dispatch and combine both receive 288 for 16 ranks; 8 NVLink
+    peers, 2 RDMA ranks: 10 x 8 x (2 x 2 + 3) x 4 + 10 x 8 x 288 x (14336 + 8) + 10 x 8 x 288 x
+    128 x (8 + 4 + 4) = 377,673,920, rounded up to 128: 377,673,984; its barrier signals and
+    pointers 8 x 4 + 8 x 8 + 8 x 8 = 160; the workspace 32 MiB; RDMA buffer (config.hpp:75-103,
+    num_rdma_bytes, in NVSHMEM's heap): the dispatch config's receive 128 rounded up to its send
+    20 is 140 (the combine's, 132, is smaller): 10 x 2 x (8 x 2 + 2) x 2 x 4 + 10 x 2 x 140 x
+    ((14336 + 8) x 2 + 128 x 16 x 2 + 16 x 2) = 91,887,680, to 128: 91,887,744. Pinned host:
+    the receive counters 8 + 4 x 1024 = 4,104 (destroy() keeps the 4-byte RDMA counter).
+
+    The dispatcher state an unpatched tree keeps per MoE layer (_DeepepManager): token_indices
+    T x k int64, token_probs T x k fp32, tokens_per_expert 16 x int64, dispatched_routing_map
+    R x 16 bool with R = ceil(T x 16 x (1 - C(240, 8) / C(256, 8))) the tokens a rank receives
+    under uniform routing, reversed_mapping_for_combine P = T x k int64, and the recompute
+    input leaf and its grad 2 x T x H x 2; 4 MoE layers, no chain (recompute)."""
+    import math
+
+    nvl = 10 * 8 * 7 * 4 + 10 * 8 * 288 * (14336 + 8) + 10 * 8 * 288 * 128 * 16
+    assert nvl == 377_673_920
+    nvl = -(-nvl // 128) * 128
+    rdma = 10 * 2 * 18 * 2 * 4 + 10 * 2 * 140 * ((14336 + 8) * 2 + 128 * 16 * 2 + 16 * 2)
+    assert rdma == 91_887_680
+    rdma = -(-rdma // 128) * 128
+    device = nvl + 160 + 32 * MiB + rdma
+    host = 8 + 4 * 1024
+    received = math.ceil(4096 * 16 * (1 - math.comb(240, 8) / math.comb(256, 8)))
+    per_layer = (4096 * 8 * 8 + 4096 * 8 * 4 + 16 * 8 + received * 16 + 4096 * 8 * 8
+                 + 2 * 4096 * 7168 * 2)  # fmt: skip
+    state = 4 * per_layer
+    return dict(device=device, host=host, state=state, received=received)
+
+
+def test_what_a_rank_gets_back_for_rollout_worked_by_hand(capsys):
+    """The plan's last line at EP16 over 2 nodes of 8 with DeepEP, every figure worked by hand
+    (:func:`_rollout_by_hand`): buffers 503,116,320 device + 4,104 pinned host, the dispatcher
+    state 4 x 118,523,520 (R = 26,720 tokens received), total 977,214,504 B; the device's part
+    977,210,400 B is 1.14% of the default 80 GiB, 0.65% of 141 GiB; NVSHMEM's own memory (the
+    RDMA buffer lives in its heap) is named as not priced. estimate() returns the same total;
+    the unpatched tree gets back 0."""
+    hand = _rollout_by_hand()
+    assert hand["device"] == 377_673_984 + 160 + 33_554_432 + 91_887_744 == 503_116_320
+    assert hand["received"] == 26_720
+    assert hand["state"] == 4 * 118_523_520 == 474_094_080
+    total = hand["device"] + hand["host"] + hand["state"]
+    device = hand["device"] + hand["state"]  # DeepEP's state is all in PyTorch's allocator
+    assert (total, device) == (977_214_504, 977_210_400)
+    nvshmem = "NVSHMEM's own memory beyond num_rdma_bytes (DeepEP across 2 nodes)"
+
+    def line(share: str, memory: str) -> str:
+        return (
+            "per rank, back for rollout (patched; base 0): collective buffer release "
+            "503,120,424 B (device 503,116,320 + pinned host 4,104) + dispatcher state no "
+            "longer held between calls 474,094,080 B = 977,214,504 B; on the device "
+            f"977,210,400 B = {share} of {memory}; not priced: {nvshmem}"
+        )
+
+    assert 100 * device / (80 * GiB) == pytest.approx(1.1376, abs=1e-4)
+    assert cli.main([str(a) for a in ROLLOUT]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == line("1.14%", "80 GiB")  # the table's last line
+    assert sum(o.startswith("per rank, back for rollout") for o in out) == 1
+    assert 100 * device / (141 * GiB) == pytest.approx(0.6455, abs=1e-4)
+    assert cli.main([str(a) for a in ROLLOUT] + ["--device-memory", "141GiB"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == line("0.65%", "141 GiB")
+    data, _ = _plan_json(capsys, ROLLOUT)
+    r = data["releasable"]
+    assert (r["buffers_device"], r["buffers_pinned_host"]) == (hand["device"], hand["host"])
+    assert (r["state_device"], r["state_pinned_host"]) == (hand["state"], 0)
+    assert (r["total"], r["device_bytes"], r["device_memory"]) == (total, device, 80 * GiB)
+    assert r["not_priced"] == [nvshmem]
+    tot = data["totals"]
+    assert (tot["releasable_patched"], tot["releasable_base"]) == (total, 0)
+    assert tot["buffers_released"] == hand["device"] + hand["host"]  # the patched tree's
+    assert tot["retained_between_calls_base"] == hand["state"]  # what the patched one drops
+    # estimate() returns the same total; an unpatched tree (no collective release, the state
+    # kept) gets back nothing.
+    fields = dict(hidden_size=7168, num_moe_experts=256, moe_router_topk=8, num_layers=4,
+                  expert_model_parallel_size=16, moe_token_dispatcher_type="flex",
+                  moe_flex_dispatcher_backend="deepep", recompute_granularity="selective",
+                  recompute_modules=["moe"], bf16=True)  # fmt: skip
+    est = planner.estimate(fields, 4096, ranks_per_node=8, releases=True, device_memory=141 * GiB)
+    assert est.releasable_bytes == est.releasable.total == total
+    assert est.releasable.device_share == device / (141 * GiB)
+    base = planner.estimate(fields, 4096, ranks_per_node=8, releases=False)
+    assert base.releasable_bytes == base.buffer_released_bytes == 0
+    assert base.releasable == planner.ReleasableBytes()
+    assert base.dispatcher_state_bytes == hand["state"]  # kept, not released
+    with pytest.raises(ValueError, match="device_memory: must be a positive number of bytes"):
+        planner.estimate(fields, 4096, ranks_per_node=8, releases=True, device_memory=0)
+
+
+def test_the_rollout_line_names_only_what_applies(capsys):
+    """What the total leaves out is named only where it applies: DeepEP in one node (no NVSHMEM)
+    and the all-to-all dispatcher (no buffers) name nothing; HybridEP across 2 nodes names
+    DOCA's own memory; DeepEP v2 and NCCL EP name NCCL's communicators, ncclMemAlloc's rounding
+    and their dispatcher state, which is not modelled (so not counted)."""
+
+    def last(args) -> str:
+        assert cli.main([str(a) for a in args]) == 0
+        return capsys.readouterr().out.splitlines()[-1]
+
+    assert "not priced" not in last(ROLLOUT + ["--expert-model-parallel-size", 8])
+    alltoall = last(ROLLOUT + ["--moe-token-dispatcher-type", "alltoall"])
+    assert "collective buffer release 0 B (device 0 + pinned host 0)" in alltoall
+    assert "not priced" not in alltoall
+    hep = last(ROLLOUT + ["--moe-flex-dispatcher-backend", "hybridep"])
+    assert hep.endswith("; not priced: DOCA's own memory beyond the RDMA buffers and queue "
+                        "pairs priced (HybridEP across 2 nodes)")  # fmt: skip
+    for backend in ("deepepv2", "ncclep"):
+        data, _ = _plan_json(capsys, ROLLOUT + ["--moe-flex-dispatcher-backend", backend])
+        r = data["releasable"]
+        assert r["dispatcher_state"] is None and r["total"] == r["buffers"]
+        assert r["not_priced"][0] == "NCCL's communicator memory"
+        assert r["not_priced"][1].startswith("ncclMemAlloc's rounding to the cuMem granularity")
+        assert r["not_priced"][-1] == f"the dispatcher state (not modelled for {backend})"
+
+
+@pytest.mark.parametrize(
+    "value,nbytes", [("85899345920", 80 * GiB), ("80GiB", 80 * GiB), ("141 gib", 141 * GiB),
+                     ("80GB", 80 * 10**9), ("0.5KiB", 512), ("1024MiB", GiB)],
+)  # fmt: skip
+def test_device_memory_sizes(value, nbytes):
+    assert inputs.parse_size(value) == nbytes
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "80XB", "1.5", "GiB", "", "0.1B"])
+def test_a_bad_device_memory_is_one_line(value, capsys):
+    line = _one_line_exit_2(capsys, ROLLOUT + ["--device-memory", value])
+    assert "argument --device-memory: must be" in line, line

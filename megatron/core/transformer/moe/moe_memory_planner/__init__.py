@@ -18,7 +18,11 @@ numbers that neither ``torch.cuda.memory_allocated`` nor a learned peak gives th
 
 :func:`estimate` is the entry point: a ``TransformerConfig`` (or a Mapping of its field names)
 and the tokens per rank to a :class:`MoEMemoryEstimate`, every term with its bytes, where it
-lives, the source line that sizes it and whether a release frees it. The dispatcher state is
+lives, the source line that sizes it and whether a release frees it, and what the rank gets back
+between steps on a tree that releases (:class:`ReleasableBytes`: the buffers
+``reset_fused_a2a_buffers(collective=True, group=G)`` frees plus the dispatcher state no longer
+held, a share of the device's memory, what it leaves unpriced; 0 where the tree does not
+release). The dispatcher state is
 that of the *installed* megatron-core: :func:`installed_tree_releases` reads from its code
 whether its dispatchers release after combine. Invalid input or a configuration the kernels
 refuse is a ValueError naming the field (and the refusing source line). The command that
@@ -71,16 +75,19 @@ Every public name of these modules is importable from the package itself.
 
 from .api import (
     CONFIG_FIELDS,
+    DEFAULT_DEVICE_MEMORY,
     DISPATCHER_CLASSES,
     NEEDED_FIELDS,
     RELEASE_HOOK,
     ConfigLike,
     MoEMemoryEstimate,
+    ReleasableBytes,
     buffer_source,
     config_from,
     estimate,
     estimate_config,
     installed_tree_releases,
+    not_priced,
 )
 from .config import (
     GPT_LAYER_SPECS,
@@ -193,16 +200,19 @@ from .terms import (
 
 __all__ = [
     "CONFIG_FIELDS",
+    "DEFAULT_DEVICE_MEMORY",
     "DISPATCHER_CLASSES",
     "NEEDED_FIELDS",
     "RELEASE_HOOK",
     "ConfigLike",
     "MoEMemoryEstimate",
+    "ReleasableBytes",
     "buffer_source",
     "config_from",
     "estimate",
     "estimate_config",
     "installed_tree_releases",
+    "not_priced",
     "GPT_LAYER_SPECS",
     "LAYER_CHARS",
     "LAYER_TYPES",

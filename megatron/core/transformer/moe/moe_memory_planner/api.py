@@ -4,14 +4,15 @@
 rank to a :class:`MoEMemoryEstimate`, with the dispatcher state of the installed
 megatron-core."""
 
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Union
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .config import MoEMemoryConfig
-from .plan import buffer_terms, kernel_refusal, kernel_warnings, layer_shape
+from .deepep import NUM_MAX_NVL_PEERS
+from .plan import buffer_terms, hybridep_layout, kernel_refusal, kernel_warnings, layer_shape
 from .retained import BACKENDS, retained_chain_terms, retained_state_terms
 from .sources import DEEP_EP_SOURCES, DEEP_EP_V2_COMMIT, NCCL_EP_COMMIT
-from .terms import HOST, OUTSIDE, Term, device_rounding, released_bytes, total
+from .terms import HOST, NCCL_GRANULARITY, OUTSIDE, Term, device_rounding, released_bytes, total
 
 if TYPE_CHECKING:  # only for the annotations: the planner imports the standard library alone
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -50,6 +51,64 @@ def installed_tree_releases(dispatcher_type: str) -> bool:
     return code is not None and RELEASE_HOOK in code.co_names
 
 
+# The device memory a rank's releasable bytes are a share of when none is given: no field of the
+# configuration names the GPU, so an 80 GiB device (H100 or A100 80GB) is assumed.
+DEFAULT_DEVICE_MEMORY = 80 * 1024**3
+
+
+@dataclass(frozen=True)
+class ReleasableBytes:
+    """What one rank gets back between steps (for a colocated loop's rollout) on a tree that
+    releases; all 0 on one that does not (no collective release, the state kept).
+
+    Attributes:
+        buffers_device: device bytes of the communication buffers
+            ``reset_fused_a2a_buffers(collective=True, group=G)`` frees (outside PyTorch's
+            allocator): the terms a release frees, not those held in flight.
+        buffers_pinned_host: pinned host bytes it frees.
+        state_device: device bytes of the dispatcher state an unpatched tree keeps between
+            calls and this one releases after combine (PyTorch's allocator: back in its cache,
+            to the device after ``torch.cuda.empty_cache()``); None: not modelled.
+        state_pinned_host: pinned host bytes of that state; None: not modelled.
+        device_memory: the device's memory, bytes (:data:`DEFAULT_DEVICE_MEMORY` unless given).
+        not_priced: what the release returns that these bytes leave out, one line each.
+    """
+
+    buffers_device: int = 0
+    buffers_pinned_host: int = 0
+    state_device: Optional[int] = 0
+    state_pinned_host: Optional[int] = 0
+    device_memory: int = DEFAULT_DEVICE_MEMORY
+    not_priced: Tuple[str, ...] = ()
+
+    @property
+    def buffers(self) -> int:
+        """Bytes the collective release frees, device and pinned host."""
+        return self.buffers_device + self.buffers_pinned_host
+
+    @property
+    def dispatcher_state(self) -> Optional[int]:
+        """Bytes of dispatcher state no longer held between calls (None: not modelled)."""
+        if self.state_device is None or self.state_pinned_host is None:
+            return None
+        return self.state_device + self.state_pinned_host
+
+    @property
+    def total(self) -> int:
+        """Buffers + dispatcher state (what is not modelled counts 0: see ``not_priced``)."""
+        return self.buffers + (self.dispatcher_state or 0)
+
+    @property
+    def device_bytes(self) -> int:
+        """The device's part of :attr:`total` (pinned host memory is not device memory)."""
+        return self.buffers_device + (self.state_device or 0)
+
+    @property
+    def device_share(self) -> float:
+        """:attr:`device_bytes` as a fraction of :attr:`device_memory`."""
+        return self.device_bytes / self.device_memory
+
+
 @dataclass(frozen=True)
 class MoEMemoryEstimate:
     """What the MoE layers of one rank hold, term by term (:func:`estimate`).
@@ -72,6 +131,9 @@ class MoEMemoryEstimate:
         moe_layers: MoE layers of the pipeline rank that builds the most.
         warnings: limits the backend documents but does not enforce, one line each
             (:func:`kernel_warnings`): priced as given.
+        releasable: what the rank gets back between steps (:class:`ReleasableBytes`): the
+            buffers the collective release frees and the dispatcher state the tree no longer
+            holds; all 0 where ``releases`` is False.
 
     ``buffers`` are the bytes the code asks for; :attr:`buffer_device_rounding` adds what the
     device takes beyond them (:func:`device_rounding`). A term with ``in_flight`` (NCCL EP's
@@ -87,6 +149,12 @@ class MoEMemoryEstimate:
     dispatcher_state_chain: Tuple[Term, ...]
     moe_layers: int
     warnings: Tuple[str, ...] = ()
+    releasable: ReleasableBytes = field(default_factory=ReleasableBytes)
+
+    @property
+    def releasable_bytes(self) -> int:
+        """What the rank gets back between steps, in all (:attr:`ReleasableBytes.total`)."""
+        return self.releasable.total
 
     @property
     def buffer_device_rounding(self) -> Tuple[Term, ...]:
@@ -111,8 +179,9 @@ class MoEMemoryEstimate:
 
     @property
     def buffer_released_bytes(self) -> int:
-        """Bytes (device and pinned host) a release of the buffers gives back."""
-        return released_bytes(self.buffers)
+        """Bytes (device and pinned host) a release of the buffers gives back: 0 where the
+        tree does not release (an unpatched megatron-core has no collective release)."""
+        return released_bytes(self.buffers) if self.releases else 0
 
     @property
     def dispatcher_state_bytes_per_layer(self) -> Optional[int]:
@@ -141,9 +210,83 @@ def buffer_source(cfg: MoEMemoryConfig) -> str:
     return f"deep_ep {cfg.deep_ep} {DEEP_EP_SOURCES[cfg.deep_ep]}"
 
 
-def estimate_config(cfg: MoEMemoryConfig, releases: Optional[bool] = None) -> MoEMemoryEstimate:
+def not_priced(cfg: MoEMemoryConfig, buffers: Sequence[Term]) -> List[str]:
+    """What the collective release of ``cfg``'s buffers returns, or the patched tree no longer
+    holds, that the planner does not price, one line each (empty where everything is): NVSHMEM's
+    own memory (DeepEP past 8 ranks: only ``num_rdma_bytes`` is priced), DOCA's own (HybridEP
+    across nodes: its buffers and queue pairs are priced), NCCL's communicators (DeepEP v2 and
+    NCCL EP), the cuMem rounding of ``ncclMemAlloc`` (assumed, not in the byte-exact total) and
+    the dispatcher state of the backends whose state is not modelled."""
+    if cfg.moe_token_dispatcher_type != "flex":
+        return []
+    backend = cfg.moe_flex_dispatcher_backend
+    out = []
+    if backend == "deepep" and cfg.group_size > NUM_MAX_NVL_PEERS:
+        out.append(
+            "NVSHMEM's own memory beyond num_rdma_bytes (DeepEP across "
+            f"{cfg.group_size // NUM_MAX_NVL_PEERS} nodes)"
+        )
+    nodes = hybridep_layout(cfg).nodes if backend == "hybridep" else 1
+    if nodes > 1:
+        out.append(
+            "DOCA's own memory beyond the RDMA buffers and queue pairs priced (HybridEP across "
+            f"{nodes} nodes)"
+        )
+    if backend not in BACKENDS:
+        out.append("NCCL's communicator memory")
+    freed = [t for t in buffers if t.released and not t.in_flight]
+    rounding = total(device_rounding(freed), OUTSIDE)
+    if rounding:
+        out.append(
+            f"ncclMemAlloc's rounding to the cuMem granularity (+{rounding:,} B at an assumed "
+            f"{NCCL_GRANULARITY // 2**20} MiB)"
+        )
+    if backend not in BACKENDS:
+        out.append(f"the dispatcher state (not modelled for {backend})")
+    return out
+
+
+def _releasable(
+    cfg: MoEMemoryConfig,
+    buffers: Sequence[Term],
+    state: Optional[Sequence[Term]],
+    chain: Sequence[Term],
+    device_memory: int,
+) -> ReleasableBytes:
+    """What a releasing tree gives back: ``buffers`` the collective release frees, and the
+    ``state`` (per MoE layer) and ``chain`` (every MoE layer but the last) an unpatched tree
+    would keep between calls (None: not modelled)."""
+    freed = [t for t in buffers if t.released and not t.in_flight]
+    host = total(freed, HOST)
+    state_device: Optional[int] = None
+    state_host: Optional[int] = None
+    if state is not None:
+        n = cfg.moe_layers_per_rank
+        held = total(state) * n + total(chain) * max(n - 1, 0)
+        state_host = total(state, HOST) * n + total(chain, HOST) * max(n - 1, 0)
+        state_device = held - state_host
+    return ReleasableBytes(
+        buffers_device=total(freed) - host,
+        buffers_pinned_host=host,
+        state_device=state_device,
+        state_pinned_host=state_host,
+        device_memory=device_memory,
+        not_priced=tuple(not_priced(cfg, buffers)),
+    )
+
+
+def estimate_config(
+    cfg: MoEMemoryConfig, releases: Optional[bool] = None, device_memory: Optional[int] = None
+) -> MoEMemoryEstimate:
     """:func:`estimate` of a :class:`MoEMemoryConfig`. ``releases`` None: read from the
-    installed megatron-core (:func:`installed_tree_releases`)."""
+    installed megatron-core (:func:`installed_tree_releases`); ``device_memory`` None:
+    :data:`DEFAULT_DEVICE_MEMORY`."""
+    if device_memory is None:
+        device_memory = DEFAULT_DEVICE_MEMORY
+    if type(device_memory) is not int or device_memory <= 0:
+        raise ValueError(
+            f"device_memory: must be a positive number of bytes, got {device_memory!r}"
+        )
     refusal = kernel_refusal(cfg)
     if refusal:
         raise ValueError(refusal)
@@ -152,25 +295,32 @@ def estimate_config(cfg: MoEMemoryConfig, releases: Optional[bool] = None) -> Mo
         releases = installed_tree_releases(dispatcher)
     flex = dispatcher == "flex"
     backend = cfg.moe_flex_dispatcher_backend if flex else None
-    state: Optional[Tuple[Term, ...]] = None
-    chain: Tuple[Term, ...] = ()
+    kept: Optional[Tuple[Term, ...]] = None  # what an unpatched tree keeps per MoE layer
+    kept_chain: Tuple[Term, ...] = ()
     if backend in (None,) + BACKENDS:
-        state = ()
-        if not releases:
-            shape = layer_shape(cfg)
-            group = cfg.group_size if flex else cfg.expert_model_parallel_size
-            nodes = max(group // cfg.ranks_per_node, 1)
-            state = tuple(retained_state_terms(shape, dispatcher, backend, nodes))
-            chain = tuple(retained_chain_terms(shape, dispatcher, backend))
+        shape = layer_shape(cfg)
+        group = cfg.group_size if flex else cfg.expert_model_parallel_size
+        nodes = max(group // cfg.ranks_per_node, 1)
+        kept = tuple(retained_state_terms(shape, dispatcher, backend, nodes))
+        kept_chain = tuple(retained_chain_terms(shape, dispatcher, backend))
+    buffers = tuple(buffer_terms(cfg))
+    if releases:
+        state = None if kept is None else ()
+        chain: Tuple[Term, ...] = ()
+        releasable = _releasable(cfg, buffers, kept, kept_chain, device_memory)
+    else:
+        state, chain = kept, kept_chain
+        releasable = ReleasableBytes(device_memory=device_memory)
     return MoEMemoryEstimate(
         config=cfg,
-        buffers=tuple(buffer_terms(cfg)),
+        buffers=buffers,
         buffer_source=buffer_source(cfg),
         releases=releases,
         dispatcher_state=state,
         dispatcher_state_chain=chain,
         moe_layers=cfg.moe_layers_per_rank,
         warnings=tuple(kernel_warnings(cfg)),
+        releasable=releasable,
     )
 
 
@@ -243,6 +393,7 @@ def estimate(
     deep_ep: str = "hybrid-ep",
     releases: Optional[bool] = None,
     local_rank: Optional[int] = None,
+    device_memory: Optional[int] = None,
 ) -> MoEMemoryEstimate:
     """The MoE memory one rank of ``config`` holds, before anything is allocated: the flex
     dispatcher's communication buffers and the dispatcher state the tree keeps between calls.
@@ -263,12 +414,16 @@ def estimate(
             it from the installed megatron-core (:func:`installed_tree_releases`).
         local_rank: the rank priced (its rank within the NVLink domain counts): HybridEP's
             local rank 0 allocates 3 x 8 B of flags its peers map; None prices a peer.
+        device_memory: the device's memory in bytes, which ``releasable`` gives its share of
+            (None: :data:`DEFAULT_DEVICE_MEMORY`, 80 GiB; the config names no GPU).
 
     Returns:
         A :class:`MoEMemoryEstimate`: every term with its bytes, where it lives and the source
         line that sizes it (HybridEP's and DeepEP's buffers from deep_ep at ``DEEP_EP_COMMIT``
         or ``DEEP_EP_MAIN_COMMIT``, DeepEP v2's at ``DEEP_EP_V2_COMMIT``, NCCL EP's at
-        ``NCCL_EP_COMMIT``; its ``buffer_source`` names the one used).
+        ``NCCL_EP_COMMIT``; its ``buffer_source`` names the one used), and what the rank gets
+        back between steps (``releasable``, ``releasable_bytes``: 0 where ``releases`` is
+        False).
 
     Raises:
         ValueError: a field missing or out of range, or a configuration the kernels refuse,
@@ -285,4 +440,4 @@ def estimate(
     cfg = config_from(
         config, tokens_per_rank, ranks_per_node, routed_rows_factor, deep_ep, local_rank
     )
-    return estimate_config(cfg, releases)
+    return estimate_config(cfg, releases, device_memory)
