@@ -15,7 +15,11 @@ from conftest import AUTHOR, REPO_ROOT, TRAILERS
 from moe_release import settings
 from moe_release.series import cli
 from moe_release.series.applying import APPLIED, CONFLICT, LANDED, NOT_APPLICABLE, REPLAYED
-from moe_release.series.checkout import LABEL_SUBJECT, verify_checkout_install
+from moe_release.series.checkout import (
+    LABEL_SUBJECT,
+    build_checkout_trees,
+    verify_checkout_install,
+)
 from moe_release.series.common import UserError
 from moe_release.series.git import format_patches, git, git_env
 from moe_release.series.merge import Resolution, file_diff, has_markers, merge_file
@@ -386,7 +390,7 @@ def test_record_stores_what_a_person_resolved(mlm, capsys):
     assert not stale.parent.exists()
     _git(m, "branch", "short", f"{c[1]}")
     assert cli.main(["apply", str(m), "--ref", c[1], "--record", "short"]) == 2
-    assert "0 commit(s) on REF, but " + P_RELEASE in capsys.readouterr().err
+    assert "0 series commit(s) on REF, but " + P_RELEASE in capsys.readouterr().err
 
 
 def test_resolve_leaves_each_conflict_in_a_work_tree_for_a_person(mlm, tmp_path, capsys):
@@ -783,5 +787,28 @@ def test_a_clean_merge_that_fails_a_probe_stops_and_resolve_says_what_to_fix(mlm
         "except ImportError:\n    K = None\n")  # fmt: skip
     (wt / PS).write_text(fixed)
     _git(wt, "commit", "--quiet", "-a", "-m", "guard the ops import")
+    fix = _git(wt, "rev-parse", "HEAD")
     assert cli.main(["apply", str(m), "--ref", c7, "--resolve", str(wt)]) == 0
-    assert f"--record moe-release/{c7[:12]}-resolve" in capsys.readouterr().out
+    branch = f"moe-release/{c7[:12]}-resolve"
+    assert f"--record {branch}" in capsys.readouterr().out
+    # The tests of the branch: the series commits are found by their trailer; the person's
+    # fix is neither the unpatched commit nor a patch. The README's branch name, before apply
+    # made it, points at the one --resolve made; no --ref (HEAD: main) says so.
+    trees = build_checkout_trees(open_checkout(m), branch, None, root=repo)
+    assert (trees.base_commit, trees.series_commits) == (c7, 2)
+    assert trees.source.endswith("+ 2 series commits + 1 of yours")
+    with pytest.raises(UserError, match=f"unknown ref 'moe-release/{c7[:12]}'.*{branch}"):
+        build_checkout_trees(open_checkout(m), f"moe-release/{c7[:12]}", None, root=repo)
+    with pytest.raises(UserError, match=f"HEAD \\(no --ref given\\).*--ref.*{branch}"):
+        build_checkout_trees(open_checkout(m), None, None, root=repo)
+    # --record keeps the fix: folded into the resolution of the patch whose file it changes.
+    assert cli.main(["apply", str(m), "--ref", c7, "--record", branch]) == 0
+    out = capsys.readouterr().out
+    assert (f'folded: {fix[:12]} ("guard the ops import") into the resolution of {P_STASH}, '
+            "which changes its files") in out  # fmt: skip
+    _, result, _ = _apply(m, c7, repo)
+    assert result.ok and _verdicts(result)[P_STASH] == REPLAYED
+    assert _git(m, "rev-parse", f"moe-release/{c7[:12]}~1^{{tree}}") == _git(
+        m, "rev-parse", f"{branch}~1^{{tree}}")  # fmt: skip
+    plain = build_checkout_trees(open_checkout(m), f"moe-release/{c7[:12]}", None, root=repo)
+    assert (plain.base_commit, plain.series_commits) == (c7, 2)

@@ -17,6 +17,7 @@ from test_apply import FA, PS, TD, _apply, _commit, _git, mlm  # noqa: F401 (mlm
 from moe_release.series import cli
 from moe_release.series.checkout import (
     LABEL_SUBJECT,
+    ORIGIN,
     build_checkout_trees,
     is_checkout_manifest,
     unpatched_commit,
@@ -79,7 +80,7 @@ def test_the_trees_of_an_applied_branch(mlm):  # noqa: F811
         assert (tree / PLANNER).read_bytes() == dict(overlay_files(repo))[PLANNER]
     assert "+moerelease.3." in (trees.patched / "megatron/core/package_info.py").read_text()
     assert (trees.patched / MANIFEST_PATH).exists() and not (trees.base / MANIFEST_PATH).exists()
-    with pytest.raises(UserError, match="carries no series commit on top.*--base-ref REF0"):
+    with pytest.raises(UserError, match="carries no series commit.*--base-ref REF0"):
         build_checkout_trees(open_checkout(m), c[5], None, root=repo)
     named = build_checkout_trees(open_checkout(m), c[5], c[4], root=repo)
     assert named.base_commit == c[4] and named.source.endswith(f", patched: `{c[5][:12]}`")
@@ -93,12 +94,30 @@ def test_the_unpatched_commit_is_below_the_series_and_the_label():
         ("B", "upstream"),
         ("A", "older"),
     ]
-    assert unpatched_commit(log, subjects) == ("B", 1)
+    assert unpatched_commit(log, subjects) == ("B", 1, [])
     assert unpatched_commit(
         [("P", "[MoE] Release dispatcher state after combine")] + log[2:], subjects
-    ) == ("B", 1)  # git am's subject keeps or drops the tag
+    ) == ("B", 1, [])  # git am's subject keeps or drops the tag
     with pytest.raises(UserError, match="carries no series commit"):
         unpatched_commit(log[2:], subjects)
+
+
+def test_the_series_commits_are_found_by_their_trailer_not_by_counting():
+    """A person's fix on top of the series (and below the label, as `apply --resolve` makes
+    it) is neither the unpatched commit nor a series commit: it is reported as theirs. A
+    series commit whose subject no stored patch has (an edited subject) is found by its
+    ``Origin:`` trailer."""
+    log = [
+        ("L", LABEL_SUBJECT + "0.20.0+moerelease.2.x", ""),
+        ("F", "guard the import the probe named", ""),
+        ("Q", "[MoE] A reworded subject", ORIGIN),
+        ("P", "[MoE] Release dispatcher state after combine", ORIGIN),
+        ("B", "upstream", ""),
+        ("A", "older", ""),
+    ]
+    assert unpatched_commit(log, set()) == ("B", 2, [("F", "guard the import the probe named")])
+    fix_between = [log[0], log[2], log[1], *log[3:]]
+    assert unpatched_commit(fix_between, set())[:2] == ("B", 2)
 
 
 def _junit(path: Path, cases: dict) -> None:

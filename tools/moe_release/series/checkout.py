@@ -206,20 +206,52 @@ class CheckoutTrees:
     series_commits: int
 
 
-def unpatched_commit(log_lines: list[tuple[str, str]], subjects: set[str]) -> tuple[str, int]:
-    """(the first commit of a first-parent log, newest first, that is neither a series patch's
-    nor the label's, how many series patches' were above it), refused where REF carries none."""
-    n = seen = 0
-    for commit, subject in log_lines:
-        if subject.startswith(LABEL_SUBJECT) or bare_subject(subject) in subjects:
-            n += not subject.startswith(LABEL_SUBJECT)
-            seen += 1
+ORIGIN = "vendor, moe-release"  # the Origin: trailer every stored series patch carries
+LOG_FORMAT = "%H%x00%s%x00%(trailers:key=Origin,valueonly,separator=%x2C)"
+
+
+def is_series_commit(subject: str, origin: str, subjects: set[str]) -> bool:
+    """A commit of the series: its ``Origin:`` trailer is the series' (what apply, --resolve
+    and ``git am`` of apply's files commit), or, for a message without trailers, its subject is
+    a stored series patch's."""
+    return origin.strip() == ORIGIN or bare_subject(subject) in subjects
+
+
+def unpatched_commit(log_lines: list[tuple[str, ...]], subjects: set[str]) -> tuple[str, int, list]:
+    """From a first-parent log, newest first (commit, subject[, Origin trailer]): (the parent
+    of the oldest series commit, the series commits, the other commits above it: a person's
+    fixes, newest first, as (commit, subject)). Series commits are found by their trailer
+    (:func:`is_series_commit`), never by counting; the label commit is neither. Refused where
+    the log has no series commit."""
+    oldest = None
+    for i, (_, subject, *origin) in enumerate(log_lines):
+        if not subject.startswith(LABEL_SUBJECT) and is_series_commit(
+            subject, origin[0] if origin else "", subjects
+        ):
+            oldest = i
+    if oldest is None or oldest + 1 >= len(log_lines):
+        raise UserError("REF carries no series commit (the commits `apply` makes, with the "
+                        f"trailer 'Origin: {ORIGIN}')")  # fmt: skip
+    n, extra = 0, []
+    for commit, subject, *origin in log_lines[: oldest + 1]:
+        if subject.startswith(LABEL_SUBJECT):
             continue
-        if seen == 0:
-            break
-        return commit, n
-    raise UserError("REF carries no series commit on top (the commits `apply` makes); name the "
-                    "commit without the series: --base-ref REF0")  # fmt: skip
+        if is_series_commit(subject, origin[0] if origin else "", subjects):
+            n += 1
+        else:
+            extra.append((commit, subject))
+    return log_lines[oldest + 1][0], n, extra
+
+
+def series_branches_hint(co, ref: Optional[str]) -> str:  # co: apply.Checkout
+    """The branches apply made in the checkout, for a message (apply's ``moe-release/<commit12>``
+    and --resolve's ``...-resolve``; those of the commit ``ref`` names first); "" if none."""
+    names = co.out("for-each-ref", "--format=%(refname:short)", "refs/heads/moe-release/").split()
+    if not names:
+        return ""
+    key = (ref or "").rsplit("/", 1)[-1].removesuffix("-resolve")
+    names.sort(key=lambda n: (not (key and key in n), n))
+    return f" (the branches apply made here: {', '.join(names[:6])})"
 
 
 def read_tree_files(read_listing: Callable[[str], list[str]], read: Reader, rev: str) -> dict:
@@ -240,16 +272,22 @@ def build_checkout_trees(
     ``line_of(commit)``: the Megatron-LM line a commit is on, for the source in words."""
     commit = co.has(ref or "HEAD")
     if commit is None:
-        raise UserError(f"{co.path}: unknown ref {ref or 'HEAD'!r}")
-    n = 0
+        raise UserError(f"{co.path}: unknown ref {ref!r}{series_branches_hint(co, ref)}")
+    n, extra = 0, []
     if base_ref is not None:
         base_commit = co.has(base_ref)
         if base_commit is None:
             raise UserError(f"{co.path}: unknown ref {base_ref!r} (--base-ref)")
     else:
-        text = co.out("log", "--first-parent", "-n", "128", "--format=%H%x00%s", commit)
-        pairs = [tuple(x.split("\0", 1)) for x in text.splitlines()]
-        base_commit, n = unpatched_commit(pairs, series_subjects(root))  # type: ignore[arg-type]
+        text = co.out("log", "--first-parent", "-n", "128", f"--format={LOG_FORMAT}", commit)
+        rows = [tuple(x.split("\0")) for x in text.splitlines()]
+        try:
+            base_commit, n, extra = unpatched_commit(rows, series_subjects(root))
+        except UserError as exc:
+            what = f"--ref {ref}" if ref else "HEAD (no --ref given)"
+            raise UserError(f"{co.path}: {what}: {exc}; give --ref the branch apply made"
+                            f"{series_branches_hint(co, ref)}, or name the commit without the "
+                            "series with --base-ref REF0") from None  # fmt: skip
 
     def listing(rev: str) -> list[str]:
         out = co.out("ls-tree", "-r", "-z", "--full-tree", "--name-only", rev, "--", "megatron")
@@ -276,6 +314,8 @@ def build_checkout_trees(
     source = f"Megatron-LM {where}`{base_commit[:12]}` ({version or '?'})"
     if base_ref is None:
         source += f" + {n} series commits"
+        if extra:
+            source += f" + {len(extra)} of yours"
     else:
         source += f", patched: `{commit[:12]}`"
     return CheckoutTrees(name, commit, base_commit, source, trees["patched"], trees["base"], n)

@@ -60,7 +60,14 @@ from moe_release.series.applying import (
     replay_other,
     whole,
 )
-from moe_release.series.checkout import APPLY_DIR, LABEL_SUBJECT, label_files
+from moe_release.series.checkout import (
+    APPLY_DIR,
+    LABEL_SUBJECT,
+    LOG_FORMAT,
+    is_series_commit,
+    label_files,
+    series_subjects,
+)
 from moe_release.series.common import REPO_ROOT, UserError, log
 from moe_release.series.git import COMMITTER_IDENT, FORMAT_PATCH_FLAGS, git, git_env
 from moe_release.series.hunkstate import files_series_states
@@ -425,18 +432,21 @@ def record_resolutions(
 ) -> tuple[Choice, list[str]]:
     """Store what a person did at ``ref``: ``resolved`` is a commit on it whose first-parent
     commits since ``ref`` are the patches to apply there (the landed and not applicable ones
-    left out), in order. Per patch, the difference from the mechanical merge (conflict markers
-    included) to that commit's files is stored as its resolution, unless the record of an
+    left out), in order, found by their trailer (checkout.is_series_commit), and any fixes of
+    the person's own (commits without it, e.g. what a probe asked for). Per patch, the
+    difference from the mechanical merge (conflict markers included) to that commit's files,
+    with the fixes it needs folded in, is stored as its resolution, unless the record of an
     earlier commit REF descends from gives those files (then nothing is: apply replays that
-    one), and an old one with nothing left to store deleted. Returns the files written and
-    deleted, in words."""
+    one), and an old one with nothing left to store deleted. A fix is folded into the last
+    patch before it that changes one of its files, or else recorded beside the last patch
+    before it (files no patch changes). Returns the files written and deleted, and where each
+    fix went, in words."""
     if not co.is_ancestor(ref, resolved):
         raise UserError(f"--record {resolved}: not a descendant of REF {ref[:12]}")
-    commits = co.out("rev-list", "--reverse", "--first-parent", f"{ref}..{resolved}").split()
-    if commits and co.out("log", "-1", "--format=%s", commits[-1]).startswith(LABEL_SUBJECT):
-        commits.pop()  # apply's label commit: not a patch
     prep = _prepare(co, ref, mirror, root, series_name)
     choice, moved = prep.choice, prep.moved
+    commits, fixes = _series_and_fixes(co, ref, resolved, root)
+    base_path = {new: old for old, new in moved.items()}  # a fix's files are REF's paths
     # A file the person changed that no patch of the series touches (a fix the series has no
     # patch for at REF) is stored too; apply then reads it from the stored diff.
     touched = set(co.out("diff", "--name-only", "--no-renames", ref, resolved).split())
@@ -457,9 +467,12 @@ def record_resolutions(
         if conflicts and modified and all(ours.get(p) is None for p in modified):
             continue  # not applicable
         if k == len(commits):
-            raise UserError(f"--record {resolved}: {len(commits)} commit(s) on REF, but "
+            raise UserError(f"--record {resolved}: {len(commits)} series commit(s) on REF, but "
                             f"{patch.name} and maybe more are still to apply")  # fmt: skip
         done = _by_base_path(co, commits[k], paths, moved)
+        done.update({base_path.get(p, p): d for p, d in fixes.folded.get(k, {}).items()})
+        for i in fixes.named.get(k, []):
+            fixes.patch[i] = patch.name
         k += 1
         result: Files = dict(ours)
         result.update(merged)
@@ -487,9 +500,72 @@ def record_resolutions(
             changes[path] = head.encode() + diff
         ours = done
     if k != len(commits):
-        raise UserError(f"--record {resolved}: {len(commits)} commit(s) on REF, but only {k} "
-                        "patch(es) to apply there")  # fmt: skip
-    return choice, _write_changes(changes, choice.root)
+        raise UserError(f"--record {resolved}: {len(commits)} series commit(s) on REF, but only "
+                        f"{k} patch(es) to apply there")  # fmt: skip
+    words = _write_changes(changes, choice.root)
+    return choice, words + [fixes.describe(i) for i in range(len(fixes.commits))]
+
+
+@dataclasses.dataclass
+class _Fixes:
+    """A person's own commits on a resolved branch, and the series commit each is folded into."""
+
+    commits: list[tuple[str, str, list[str], bool]]  # (commit, subject, its files, folded)
+    folded: dict[int, Files] = dataclasses.field(default_factory=dict)  # series index -> files
+    named: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # series i -> fixes
+    patch: dict[int, str] = dataclasses.field(default_factory=dict)  # fix -> the patch
+
+    def describe(self, i: int) -> str:
+        commit, subject, files, folded = self.commits[i]
+        patch = self.patch.get(i, "?")
+        what = f"{commit[:12]} (\"{subject[:60]}\")"
+        if folded:
+            return f"folded: {what} into the resolution of {patch}, which changes its files"
+        return (f"recorded beside: {what} with the resolution of {patch} (it changes "
+                f"{', '.join(files)}, which no patch changes)")  # fmt: skip
+
+
+def _series_and_fixes(co: Checkout, ref: str, resolved: str, root: Path) -> tuple[list, _Fixes]:
+    """The series commits on ``resolved`` since ``ref`` (oldest first; the label left out) and
+    the person's fixes among them (commits without the series' trailer, where some have it),
+    each folded into the last series commit before it that changes one of its files (else the
+    last before it): its files, at the fix, override that series commit's and those up to the
+    fix (the later ones descend from it)."""
+    text = co.out("log", "--reverse", "--first-parent", f"--format={LOG_FORMAT}",
+                  f"{ref}..{resolved}")  # fmt: skip
+    subjects = series_subjects(root)
+    rows = [(row.split("\0") + ["", ""])[:3] for row in text.splitlines()]
+    rows = [r for r in rows if not r[1].startswith(LABEL_SUBJECT)]
+    # A branch none of whose commits is marked as the series' (a resolution made with plain
+    # git and messages of one's own) is read as one commit per patch, in order.
+    plain = not any(is_series_commit(subject, origin, subjects) for _, subject, origin in rows)
+    series: list[str] = []
+    fixes = _Fixes([])
+    for commit, subject, origin in rows:
+        if plain or is_series_commit(subject, origin, subjects):
+            series.append(commit)
+            continue
+        files = co.out("diff-tree", "--no-commit-id", "--name-only", "-r", "--no-renames",
+                       f"{commit}^", commit).split()  # fmt: skip
+        if not series:
+            raise UserError(f"--record {resolved}: {commit[:12]} (\"{subject[:60]}\") is not a "
+                            "series commit and comes before every patch: commit fixes after "
+                            "the patch they complete")  # fmt: skip
+        target = len(series) - 1
+        for j in range(len(series) - 1, -1, -1):
+            changed = set(co.out("diff-tree", "--no-commit-id", "--name-only", "-r",
+                                 "--no-renames", f"{series[j]}^", series[j]).split())  # fmt: skip
+            if changed & set(files):
+                target = j
+                break
+        else:
+            j = -1
+        at_fix = co.files(commit, files)
+        for k in range(target, len(series)):
+            fixes.folded.setdefault(k, {}).update(at_fix)
+        fixes.named.setdefault(target, []).append(len(fixes.commits))
+        fixes.commits.append((commit, subject, files, j >= 0))
+    return series, fixes
 
 
 def _write_changes(changes: dict[Path, Optional[bytes]], root: Path) -> list[str]:
@@ -702,11 +778,9 @@ def run_resolve(
         hist = history(co, mirror, Path(tmp))
         prep = _prepare(hist, commit, mirror, root, series_name)
         head = git(worktree, "rev-parse", "HEAD").decode().strip()
-        commits = hist.out("rev-list", "--reverse", "--first-parent", f"{commit}..{head}").split()
-        labelled = bool(commits) and hist.out("log", "-1", "--format=%s", commits[-1]).startswith(
-            LABEL_SUBJECT
-        )
-        commits = commits[:-1] if labelled else commits
+        labelled = hist.out("log", "-1", "--format=%s", head).startswith(LABEL_SUBJECT)
+        commits, fixes = _series_and_fixes(hist, commit, head, root) if head != commit else (
+            [], _Fixes([]))  # fmt: skip
         applied: list[str] = []  # the patches on the branch, in order
         paths = set(prep.at_ref)
         landed = files_series_states(prep.at_ref, [p for p, _, _ in prep.states])
@@ -720,8 +794,9 @@ def run_resolve(
                 continue  # not applicable
             applied.append(patch.name)
             if k < len(commits):  # done on the branch already (by this command or the person)
-                ours = _by_base_path(hist, commits[k], paths, prep.moved)
                 k += 1
+                at = commits[k - 1] if k < len(commits) or not fixes.commits else head
+                ours = _by_base_path(hist, at, paths, prep.moved)  # the last: with the fixes
                 continue
             result: Files = dict(ours)
             result.update(merged)
