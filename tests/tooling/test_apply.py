@@ -31,7 +31,7 @@ from moe_release.series.verbs.apply import (
     resolution_path,
     run_apply,
 )
-from moe_release.series.verbs.sweep import CODES, SETTLED, summary_lines, sweep
+from moe_release.series.verbs.sweep import BORROWED, CODES, SETTLED, summary_lines, sweep
 
 MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
 TD = "megatron/core/transformer/moe/token_dispatcher.py"
@@ -666,7 +666,8 @@ def test_on_the_mirror_each_pinned_commit_takes_its_own_series():
 
 
 def _codes(result) -> str:
-    return "".join(SETTLED if o.verdict == APPLIED and o.settled else CODES[o.verdict]
+    return "".join(BORROWED if o.borrowed and o.verdict != CONFLICT else
+                   SETTLED if o.verdict == APPLIED and o.settled else CODES[o.verdict]
                    for o in result.outcomes)  # fmt: skip
 
 
@@ -740,15 +741,21 @@ def test_sweep_command(mlm, capsys, tmp_path, monkeypatch):
 @pytest.mark.needs_env(CHECKOUT_ENV)
 def test_on_the_mirror_the_sweep_is_applys_verdict():
     """On the real mirror, main 2026-07-22 .. 07-24 (81770cb015ea, where the release patch's
-    new method sits beside 0.19.2 code the commit lacks: settled) and NeMo-RL's pin 14346b65
-    (the import block of fused_a2a.py): every commit whole, each row apply's own verdict."""
+    new method sits beside 0.19.2 code the commit lacks: settled), NeMo-RL's pin 14346b65
+    (the import block of fused_a2a.py) and 2d7060f44fc9 (NCCL EP landed; the nearest series,
+    0.18.0, conflicts and 0.19.2's is taken): every commit whole, each row apply's own
+    verdict."""
     mirror = Path(settings.megatron_lm())
     co = open_checkout(mirror)
     rows, _ = sweep(co, ("main",), "2026-07-22", "2026-07-24")
     rows += [r for r in sweep(co, ("main",), "2026-08-12", "2026-08-12")[0]
              if r.commit.startswith("14346b65")]  # fmt: skip
+    # Where the nearest series conflicts: a farther one, whole (NCCL EP's window on main).
+    rows += [r for r in sweep(co, ("main",), "2026-07-08", "2026-07-08")[0]
+             if r.commit.startswith("2d7060f44fc9")]  # fmt: skip
     assert any(r.commit.startswith("81770cb015ea") and SETTLED in r.codes for r in rows)
     assert any(r.commit.startswith("14346b65") for r in rows)
+    assert [r.series for r in rows if r.farther] == ["0.19.2"]
     for r in rows:
         _, result, _ = run_apply(mirror, r.commit, dry_run=True)
         assert (r.series, r.codes) == (result.choice.base.name, _codes(result)), r
