@@ -140,6 +140,17 @@ def test_read_at_call_time(monkeypatch):
     assert settings.bases() == ["a", "b", "c"]
 
 
+def test_ranks_per_node(monkeypatch):
+    monkeypatch.delenv("MOE_RELEASE_RANKS_PER_NODE", raising=False)
+    assert settings.ranks_per_node() is None
+    monkeypatch.setenv("MOE_RELEASE_RANKS_PER_NODE", "2")
+    assert settings.ranks_per_node() == 2
+    for bad in ("0", "-2", "two"):
+        monkeypatch.setenv("MOE_RELEASE_RANKS_PER_NODE", bad)
+        with pytest.raises(settings.SettingError, match="MOE_RELEASE_RANKS_PER_NODE"):
+            settings.ranks_per_node()
+
+
 def test_bad_value_names_the_variable(monkeypatch):
     monkeypatch.setenv("MOE_RELEASE_DEVICE_BARRIER_TIMEOUT", "soon")
     with pytest.raises(settings.SettingError, match="MOE_RELEASE_DEVICE_BARRIER_TIMEOUT"):

@@ -20,6 +20,7 @@ variable                                 accessor                           type
 ``MOE_RELEASE_PLACEMENT``                :func:`placement`                  flag, "0" off (on)
 ``MOE_RELEASE_PLACEMENT_TRACE``          :func:`placement_trace`            flag, "1" on (off)
 ``MOE_RELEASE_DEVICE_BARRIER_TIMEOUT``   :func:`device_barrier_timeout`     seconds (30)
+``MOE_RELEASE_RANKS_PER_NODE``           :func:`ranks_per_node`             ranks (unset: one node)
 ``MOE_RELEASE_FAULT_GLOO_TIMEOUT``       :func:`fault_gloo_timeout`         seconds (caller's)
 ``MOE_RELEASE_REPLACEMENT``              :func:`fault_replacement`          flag, "1" on (off)
 ``MOE_RELEASE_FAULT_LOG``                :func:`fault_log`                  path (unset)
@@ -160,6 +161,26 @@ def device_barrier_timeout() -> float:
     """``MOE_RELEASE_DEVICE_BARRIER_TIMEOUT``: seconds an emulated device-side barrier waits
     for its peers before it "traps" (default 30)."""
     return _float("MOE_RELEASE_DEVICE_BARRIER_TIMEOUT", 30.0)
+
+
+RANKS_PER_NODE = "MOE_RELEASE_RANKS_PER_NODE"
+
+
+def ranks_per_node() -> Optional[int]:
+    """``MOE_RELEASE_RANKS_PER_NODE``: the ranks of one emulated node (NVLink domain) in the
+    CPU runtime, a positive integer; ranks ``n * R .. n * R + R - 1`` are node ``n``, as a
+    launcher fills real nodes. Unset: every rank of the job on one node (the runtime's
+    default)."""
+    value = _get(RANKS_PER_NODE)
+    if value is None:
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise SettingError(f"{RANKS_PER_NODE}={value!r}: not a positive integer")
+    return n
 
 
 def fault_gloo_timeout(default: float) -> float:
