@@ -119,6 +119,31 @@ def env_int(name: str, default: int) -> int:
     return int(match.group(1)) if match else 0
 
 
+class NodeLayout(NamedTuple):
+    """Where a group's ranks sit on the emulated nodes (``settings.ranks_per_node``): the
+    kernels' own rule for what is "a node" (DeepEP's ``NUM_MAX_NVL_PEERS``, HybridEP's NVLink
+    domain, NCCL EP's LSA team) reads this instead of the GPUs of a real node."""
+
+    ranks_per_node: int  # ranks of the group on one node (the NVLink peers)
+    nodes: int  # nodes the group spans
+    node: int  # this rank's node, in the group's order
+    local_rank: int  # this rank's place on its node
+
+
+def node_layout(group, real_ranks_per_node: int) -> NodeLayout:
+    """The group's layout: every rank on one node, capped at ``real_ranks_per_node`` (the
+    kernel's own constant, e.g. 8), unless ``MOE_RELEASE_RANKS_PER_NODE`` names a node size;
+    ranks fill nodes in the group's order, as a launcher fills real nodes. A group whose size
+    is not a multiple of the node size is refused, as the kernels refuse it."""
+    size, rank = group_size(group), group_rank(group)
+    per_node = settings.ranks_per_node() or real_ranks_per_node
+    per_node = min(per_node, size)
+    if size % per_node:
+        raise ValueError(f"{size} ranks do not fill nodes of {per_node} "
+                         f"({settings.RANKS_PER_NODE})")  # fmt: skip
+    return NodeLayout(per_node, size // per_node, rank // per_node, rank % per_node)
+
+
 def group_size(group) -> int:
     return 1 if group is None and not dist.is_initialized() else dist.get_world_size(group)
 
