@@ -19,10 +19,13 @@ def plan(
     """Every MoE memory term of ``cfg`` on one rank, base (unpatched megatron-core) beside
     patched (this series), as one JSON-able dict: the shipped estimate of a tree that keeps the
     dispatcher state and of one that releases it. For HybridEP also what a call grows against
-    a buffer of ``held_rows`` per rank already held. ``releasable``: what a rank of the patched
+    a buffer of ``held_rows`` per rank already held. ``totals.in_flight_*``: what the MoE
+    layers hold from their forward until their backward (NCCL EP's routing handle), per layer
+    and at the step's peak, base and patched alike. ``releasable``: what a rank of the patched
     tree gets back between steps, as a share of ``device_memory`` bytes (None: the planner's
-    default, 80 GiB); the base gets back nothing. A configuration the kernels refuse is a
-    ValueError citing the line that refuses it (``kernel_refusal``)."""
+    default, 80 GiB); the base gets back nothing. ``modelled_commits``: the commit of each
+    library the planner was read at. A configuration the kernels refuse is a ValueError citing
+    the line that refuses it (``kernel_refusal``)."""
     base = planner.estimate_config(cfg, releases=False, device_memory=device_memory)
     patched = planner.estimate_config(cfg, releases=True, device_memory=device_memory)
     back = patched.releasable
@@ -44,7 +47,10 @@ def plan(
             "deep_ep_commit": planner.DEEP_EP_SOURCES[cfg.deep_ep],
             "deep_ep_v2_commit": planner.DEEP_EP_V2_COMMIT,
             "nccl_ep_commit": planner.NCCL_EP_COMMIT,
+            "transformer_engine_commit": planner.TRANSFORMER_ENGINE_COMMIT,
+            "moe_layers_in_flight": base.moe_layers_in_flight,
         },
+        "modelled_commits": dict(planner.MODELLED_COMMITS),
         "buffers": [asdict(t) for t in base.buffers],
         "buffers_device_rounding": [asdict(t) for t in base.buffer_device_rounding],
         "warnings": list(base.warnings),
@@ -61,6 +67,8 @@ def plan(
             "retained_between_calls_patched": patched.dispatcher_state_bytes,
             "releasable_base": base.releasable_bytes,
             "releasable_patched": patched.releasable_bytes,
+            "in_flight_per_layer": base.in_flight_bytes_per_layer,
+            "in_flight_between_forward_and_backward": base.in_flight_bytes,
         },
         "releasable": dict(
             asdict(back),
@@ -95,7 +103,10 @@ def format_plan(result: Dict[str, object]) -> str:
         f" group {d['dispatcher_group']}, T={d['tokens_per_rank']:,} tokens/rank,"
         f" {d['moe_layers_per_rank']} MoE layers/rank, recompute {d['recompute']}"
     )
-    lines = [head, f"{'term':52}{'bytes':>16}  {'where':18} source"]
+    commits = ", ".join(
+        f"{name} {commit[:7]}" for name, commit in result["modelled_commits"].items()
+    )
+    lines = [head, f"modelled at: {commits}", f"{'term':52}{'bytes':>16}  {'where':18} source"]
 
     def rows(terms):
         for t in terms:
@@ -111,7 +122,10 @@ def format_plan(result: Dict[str, object]) -> str:
         rows([t for t in result["buffers"] if not t["in_flight"]])
         flight = [t for t in result["buffers"] if t["in_flight"]]
         if flight:
-            lines.append("held by each MoE layer from its dispatch to its combine (allocator):")
+            lines.append(
+                "held by each MoE layer from its forward until its backward (allocator; "
+                f"{d['moe_layers_in_flight']} MoE layers in flight at the step's peak):"
+            )
             rows(flight)
         if result["buffers_device_rounding"]:
             lines.append("what the device takes beyond the bytes asked for (device column only):")
@@ -149,6 +163,10 @@ def format_plan(result: Dict[str, object]) -> str:
         f"{'retained between calls, all MoE layers':52}"
         f"{num(tot['retained_between_calls_base'])}{num(tot['retained_between_calls_patched'])}",
     ]
+    if tot["in_flight_per_layer"]:
+        held = tot["in_flight_between_forward_and_backward"]
+        label = f"held forward to backward, {d['moe_layers_in_flight']} MoE layers in flight"
+        lines.append(f"{label:52}{held:>16,}{held:>16,}")
     if "releasable" in result:
         lines.append(release_line(result["releasable"]))
     return "\n".join(lines)

@@ -1866,7 +1866,7 @@ def test_nccl_ep_across_domains_worked_by_hand():
 
 
 def test_nccl_ep_routing_handle_worked_by_hand():
-    """One MoE layer's routing handle, held from its dispatch to its combine in PyTorch's
+    """One MoE layer's routing handle, held from its forward until its backward in PyTorch's
     allocator (nccl_ep.cc:2397-2464; TE pytorch/ep.py:301-302), expert-major with local permute,
     132 SMs. EP8: r2a 4,096 + ler 262144 x 32 + ntfe 256 + s2d 4096 x 8 x 4 + rank mask
     4096 x 8 x 8 + scan 132 x 8 x 8 = 8,448 + dense probabilities 4096 x 256 x 4 + top-k
@@ -1881,7 +1881,7 @@ def test_nccl_ep_routing_handle_worked_by_hand():
     terms = planner.nccl_ep_terms(8, 256, 4096, 262144, 7168, ranks_per_node=8, topk=8)
     handle = [t for t in terms if t.in_flight]
     assert [(t.nbytes, t.where) for t in handle] == [(30_160_128, planner.ALLOCATOR)]
-    assert handle[0].note.startswith("released by: the layer's combine")
+    assert handle[0].note.startswith("held by: the layer's forward until its backward")
     assert planner.released_bytes(terms) == planner.released_bytes(
         [t for t in terms if not t.in_flight])  # fmt: skip
 
@@ -2151,3 +2151,168 @@ def test_device_memory_sizes(value, nbytes):
 def test_a_bad_device_memory_is_one_line(value, capsys):
     line = _one_line_exit_2(capsys, ROLLOUT + ["--device-memory", value])
     assert "argument --device-memory: must be" in line, line
+
+
+# --------------------------------------------------------------------------------------------
+# What a layer holds until its backward: NCCL EP's routing handle, per MoE layer in flight, and
+# DeepEP's handle across nodes (the internode dispatch's 10 tensors); the commits modelled.
+
+# The NCCL EP shape: H 4096, 128 experts, top-8, 4,096 tokens per rank, EP32 = 4 domains of 8,
+# eager (MR = 32 x 4,096 x 8), 4 layers, all MoE.
+NCCL_EP32 = dict(hidden_size=4096, num_moe_experts=128, moe_router_topk=8, num_layers=4,
+                 tokens_per_rank=4096, moe_token_dispatcher_type="flex", bf16=True,
+                 moe_flex_dispatcher_backend="ncclep", expert_model_parallel_size=32)  # fmt: skip
+
+
+def _nccl_ep32_handle_by_hand() -> int:
+    """The routing handle at NCCL_EP32 (nccl_ep.cc:2397-2464, 132 SMs), M = 4,096, MR =
+    1,048,576, N = 4 domains of L = 8, 4 local experts, each term rounded up to 256: r2a
+    4 x 4096, a2r 4096 x 3, ler MR x 4, ntfe 4 -> 256, s2d 4 x 4096 x 8 x 4, rank mask
+    4 x 4096 x 8 x 1 x 8, scan 132 x 8 x 8, no dense probabilities (the GIN buffer's), top-k
+    4096 x 8 x 8, counts 4 x 4 -> 256, offsets 5 x 8 -> 256, and the permute scratch
+    2 x MR x 8 x 4 + 4096 x 8 x 4 x 4."""
+    mr = 32 * 4096 * 8
+    return (4 * 4096 + 4096 * 3 + mr * 4 + 256 + 4 * 4096 * 8 * 4 + 4 * 4096 * 8 * 8
+            + 132 * 8 * 8 + 4096 * 8 * 8 + 256 + 256
+            + 2 * mr * 8 * 4 + 4096 * 8 * 4 * 4)  # fmt: skip
+
+
+def test_nccl_ep_handle_is_held_until_the_layers_backward(capsys):
+    """TE's dispatch and combine save the routing handle for backward (pytorch/ep.py:554, 639 at
+    TRANSFORMER_ENGINE_COMMIT); megatron drops only its EpBuffer at combine (main
+    token_dispatcher.py:1788). So every MoE layer whose forward has run and whose backward has
+    not holds one: 73,700,352 B per layer at NCCL_EP32, x 4 MoE layers = 294,801,408 B before
+    the first backward, and nothing between steps (not a buffer, not released). A recomputed
+    layer keeps no graph from its forward: one handle, the layer under backward. Pipelined
+    (16 layers, PP 4): 1F1B keeps PP - r micro-batches on rank r, 4 x 4 MoE layers on rank 0;
+    interleaved (VPP 2, 2 MoE layers a chunk): rank 0 warms up (4 - 1) x 2 + (2 - 1) x 4 = 10
+    virtual micro-batches and runs one more forward before its first backward: 11 x 2."""
+    per_layer = _nccl_ep32_handle_by_hand()
+    assert per_layer == 73_700_352
+    cfg = planner.MoEMemoryConfig(**NCCL_EP32)
+    est = planner.estimate_config(cfg, releases=False)
+    handle = [t for t in est.buffers if t.in_flight]
+    assert [t.nbytes for t in handle] == [per_layer]
+    assert handle[0].note.startswith("held by: the layer's forward until its backward")
+    assert "ep.py:554,639" in handle[0].note and "token_dispatcher.py:1788" in handle[0].note
+    assert (est.moe_layers_in_flight, est.in_flight_bytes_per_layer) == (4, per_layer)
+    assert est.in_flight_bytes == 4 * per_layer == 294_801_408
+    # Between steps nothing holds it: not a buffer, not in what a release gives back.
+    patched = planner.estimate_config(cfg, releases=True)
+    assert patched.in_flight_bytes == 4 * per_layer
+    freed = sum(t.nbytes for t in patched.buffers if t.released) - per_layer
+    assert patched.releasable.buffers == planner.released_bytes(patched.buffers) == freed
+    # The command: JSON totals and the table's row, base and patched alike.
+    args = [a for k, v in NCCL_EP32.items() if k != "bf16"
+            for a in (inputs.FIELD_FLAGS[k], str(v))] + ["--bf16"]  # fmt: skip
+    data, _ = _plan_json(capsys, args)
+    assert data["totals"]["in_flight_per_layer"] == per_layer
+    assert data["totals"]["in_flight_between_forward_and_backward"] == 294_801_408
+    assert data["derived"]["moe_layers_in_flight"] == 4
+    assert cli.main(args) == 0
+    table = capsys.readouterr().out
+    assert f"{'held forward to backward, 4 MoE layers in flight':52}{294_801_408:>16,}" in table
+    # Recomputed: one layer at a time.
+    for recompute in (
+        dict(recompute_granularity="full"),
+        dict(recompute_granularity="selective", recompute_modules=("moe",)),
+    ):
+        one = planner.MoEMemoryConfig(**NCCL_EP32, **recompute)
+        assert planner.estimate_config(one, releases=False).in_flight_bytes == per_layer
+    # Pipelined: 1F1B and interleaved.
+    pp = dict(NCCL_EP32, num_layers=16, pipeline_model_parallel_size=4)
+    assert planner.MoEMemoryConfig(**pp).moe_layers_in_flight == 4 * 4
+    vpp = planner.MoEMemoryConfig(**pp, virtual_pipeline_model_parallel_size=2)
+    assert vpp.moe_layers_in_flight == ((4 - 1) * 2 + (2 - 1) * 4 + 1) * 2 == 22
+    assert planner.estimate_config(vpp, releases=False).in_flight_bytes == 22 * per_layer
+
+
+def test_interleaved_layers_in_flight_with_uneven_chunks():
+    """PP 2, VPP 2, 8 layers, MoE at layers 0, 1 and 5: rank 0's chunks hold 2 (layers 0-1) and
+    1 (layers 4-5) MoE layers, rank 1's none. Rank 0 warms up (2 - 1) x 2 + (2 - 1) x 2 = 4
+    forwards, chunks 0, 0, 1, 1: 2 + 2 + 1 + 1 = 6; then each step a forward (chunks 0, 0, 1,
+    1, ...) and a backward (reverse chunks: 1, 1, 0, 0, ...): 6 + 2 = 8, - 1 = 7, + 2 = 9, - 1 =
+    8, + 1 = 9, - 2 = 7, + 1 = 8, - 2 = 6, then again: the most is 9."""
+    cfg = planner.MoEMemoryConfig(hidden_size=64, num_moe_experts=8, moe_router_topk=2,
+                                  num_layers=8, tokens_per_rank=64,
+                                  pipeline_model_parallel_size=2,
+                                  virtual_pipeline_model_parallel_size=2,
+                                  moe_layer_freq=(1, 1, 0, 0, 0, 1, 0, 0))  # fmt: skip
+    assert cfg.stage_moe_layers() == [2, 0, 1, 0] and cfg.rank_moe_layers() == [3, 0]
+    assert cfg.moe_layers_in_flight == 9
+
+
+# DeepEP across 2 nodes: EP16 = 2 x 8, H 7168, 256 experts, top-8, 4,096 tokens, 20 SMs (10
+# channels), no recompute (the chain: a later layer's graph reaches this layer's combine).
+DEEPEP_EP16 = dict(hidden_size=7168, num_moe_experts=256, moe_router_topk=8, num_layers=4,
+                   tokens_per_rank=4096, moe_token_dispatcher_type="flex", bf16=True,
+                   moe_flex_dispatcher_backend="deepep", expert_model_parallel_size=16)  # fmt: skip
+
+
+def test_deepep_internode_handle_worked_by_hand():
+    """Past 8 ranks DeepEP dispatches internode and its handle, which FusedCombine's ctx keeps
+    (fused_a2a.py:186), is the 10 tensors of deep_ep/buffer.py:589-592 (deep_ep.cpp:394, 948-951,
+    1005-1009 at DEEP_EP_COMMIT), not the intranode 6-tuple. At DEEPEP_EP16 (N = 2 RDMA ranks,
+    C = 10): R = ceil(4096 x 16 x (1 - C(240, 8) / C(256, 8))) = 26,720 tokens received, R_rdma
+    = ceil(4096 x 2 x (1 - C(128, 8) / C(256, 8))) = 8,164 received over RDMA for the node:
+    is_token_in_rank 4096 x 16, rdma_channel_prefix_matrix 2 x 10 x 4, gbl_channel_prefix_matrix
+    16 x 10 x 4, recv_rdma_channel_prefix_matrix 2 x 10 x 4, recv_rdma_rank_prefix_sum 2 x 4,
+    recv_gbl_channel_prefix_matrix 16 x 10 x 4, recv_gbl_rank_prefix_sum 16 x 4, recv_src_meta
+    R x 8, send_rdma_head 4096 x 2 x 4, send_nvl_head R_rdma x 8 x 4 = 574,824 B per layer (the
+    intranode tuple priced before: 16 x 16 x 4 + 2 x 16 x 10 x 4 + R x 4 + 4096 x 16 + 4096 x 16
+    x 4 = 436,864)."""
+    import math
+
+    r = math.ceil(4096 * 16 * (1 - math.comb(240, 8) / math.comb(256, 8)))
+    rr = math.ceil(4096 * 2 * (1 - math.comb(128, 8) / math.comb(256, 8)))
+    assert (r, rr) == (26_720, 8_164)
+    want = {
+        "is_token_in_rank [T, G] bool": 4096 * 16,
+        "rdma_channel_prefix_matrix [N, C] int32": 2 * 10 * 4,
+        "gbl_channel_prefix_matrix [G, C] int32": 16 * 10 * 4,
+        "recv_rdma_channel_prefix_matrix [N, C] int32": 2 * 10 * 4,
+        "recv_rdma_rank_prefix_sum [N] int32": 2 * 4,
+        "recv_gbl_channel_prefix_matrix [G, C] int32": 16 * 10 * 4,
+        "recv_gbl_rank_prefix_sum [G] int32": 16 * 4,
+        "recv_src_meta [R, 8] uint8": r * 8,
+        "send_rdma_head [T, N] int32": 4096 * 2 * 4,
+        "send_nvl_head [R_rdma, 8] int32": rr * 8 * 4,
+    }
+    shape = planner.layer_shape(planner.MoEMemoryConfig(**DEEPEP_EP16))
+    chain = planner.retained_chain_terms(shape, "flex", "deepep")
+    assert {t.name: t.nbytes for t in chain} == {f"handle: {k}": v for k, v in want.items()}
+    assert sum(want.values()) == 574_824
+    assert 16 * 16 * 4 + 2 * 16 * 10 * 4 + r * 4 + 4096 * 16 + 4096 * 16 * 4 == 436_864
+    assert all(t.where == planner.ALLOCATOR and "deep_ep.cpp:" in t.source for t in chain)
+    # The unpatched tree keeps it for every MoE layer but the last; the patched tree none.
+    est = planner.estimate_config(planner.MoEMemoryConfig(**DEEPEP_EP16), releases=False)
+    assert planner.total(est.dispatcher_state_chain) == 574_824
+    assert est.dispatcher_state_bytes == 4 * est.dispatcher_state_bytes_per_layer + 3 * 574_824
+    # One node (EP8) keeps the intranode tuple: R = ceil(4096 x 8 x (1 - C(224, 8) / C(256, 8))).
+    r8 = math.ceil(4096 * 8 * (1 - math.comb(224, 8) / math.comb(256, 8)))
+    one = planner.layer_shape(
+        planner.MoEMemoryConfig(**dict(DEEPEP_EP16, expert_model_parallel_size=8))
+    )
+    intranode = planner.total(planner.retained_chain_terms(one, "flex", "deepep"))
+    assert intranode == 8 * 8 * 4 + 2 * 8 * 10 * 4 + r8 * 4 + 4096 * 8 + 4096 * 8 * 4
+
+
+def test_the_plan_names_the_commits_it_models(capsys):
+    """The table's second line and --json name the commit of each library the planner was read
+    at (docs/planner.md sets them beside megatron's pins)."""
+    commits = {
+        "deep_ep hybrid-ep": "94a9f8f6b146c07d97ec58f67cd6d303296d6098",
+        "deep_ep main": "dd758caf451848bd150e1046af3d0a73e5fff38d",
+        "DeepEP v2 epv2-release": "018f21ea62c6c2888d9b46806aad6d90b399b23d",
+        "TransformerEngine": "d0067d0da6cb01811b8072a7d304f0e00344ce2b",
+        "NCCL EP nccl-extensions": "9f47d6eb3b60962d8157a579b4caaaa4ae6b19f4",
+    }
+    assert planner.MODELLED_COMMITS == commits
+    data, _ = _plan_json(capsys, OK + ["--seq-length", "8"])
+    assert data["modelled_commits"] == commits
+    assert data["derived"]["transformer_engine_commit"] == commits["TransformerEngine"]
+    assert cli.main(OK + ["--seq-length", "8"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "modelled at: deep_ep hybrid-ep 94a9f8f, deep_ep main dd758ca, DeepEP v2 epv2-release "
+        "018f21e, TransformerEngine d0067d0, NCCL EP nccl-extensions 9f47d6e"
+    )

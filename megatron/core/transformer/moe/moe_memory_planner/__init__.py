@@ -29,25 +29,31 @@ refuse is a ValueError naming the field (and the refusing source line). The comm
 prints a configuration's terms, unpatched megatron-core beside patched, from flags or a
 Megatron-Bridge YAML, is moe-release's ``scripts/moe_memory_plan.py``; this package has none.
 
-Sources. deep_ep is read at ``DEEP_EP_COMMIT``, the head of its ``hybrid-ep`` branch; the commit
-megatron-core's CI pins (``de0dd11``) was not available to read, so where the two differ these
-figures follow ``DEEP_EP_COMMIT``. Two terms depend on that: the unused all-gather buffer
-(``enable_custom_allgather`` defaults to False at ``DEEP_EP_COMMIT``) and the rounding of rows
-to the combine chunk (since deep_ep 4214430). DeepEP's normal mode is also priced at DeepEP
-main (``DEEP_EP_MAIN_COMMIT``, 2.1.0: other dispatch/combine configs, EP 48 and 96) when
-``deep_ep="main"`` is chosen; the estimate names the source it priced. Configurations the
-kernels refuse (HybridEP's ``BufferConfig::is_valid``, DeepEP's group sizes and SM count) are
-refused here with the line that refuses them, and HybridEP's chunk-size environment variables
-are read as deep_ep reads them (``atoi``, default 64) for every term they size. megatron-core
-call sites are cited as in megatron-core 0.19.2. Terms marked approximate (the DOCA queue pairs
-of multi-node HybridEP) come from a stored NCCL version, not deep_ep's submodule pin.
+Sources (``MODELLED_COMMITS``). deep_ep is read at ``DEEP_EP_COMMIT``, the head of its
+``hybrid-ep`` branch; the commit megatron main's CI pins (``de0dd11``) was not available to read,
+so where the two differ these figures follow ``DEEP_EP_COMMIT``. TransformerEngine (NCCL EP's
+API, the fused permute) is read at ``TRANSFORMER_ENGINE_COMMIT`` (d0067d0), not megatron main's
+pin 4329ff8, whose ``ep_bootstrap`` takes neither ``num_topk`` nor ``drop_on_overflow``
+(docs/planner.md lists the pins and what differs). Two deep_ep terms depend on the commit: the
+unused all-gather buffer (``enable_custom_allgather`` defaults to False at ``DEEP_EP_COMMIT``)
+and the rounding of rows to the combine chunk (since deep_ep 4214430). DeepEP's normal mode is
+also priced at DeepEP main (``DEEP_EP_MAIN_COMMIT``, 2.1.0: other dispatch/combine configs, EP
+48 and 96) when ``deep_ep="main"`` is chosen; the estimate names the source it priced.
+Configurations the kernels refuse (HybridEP's ``BufferConfig::is_valid``, DeepEP's group
+sizes and SM count) are refused here with the line that refuses them, and HybridEP's
+chunk-size environment variables are read as deep_ep reads them (``atoi``, default 64) for
+every term they size. megatron-core call sites are cited as in megatron-core 0.19.2. Terms
+marked approximate (the DOCA queue pairs of multi-node HybridEP) come from a stored NCCL
+version, not deep_ep's submodule pin.
 
 Across NVLink domains (``ranks_per_node``, the domain NCCL's load/store team spans) DeepEP v2
 is priced in its hybrid layout and NCCL EP with its per-domain probabilities and GIN buffer.
 The terms are the bytes the code asks for; :func:`device_rounding` adds what the device takes
 (each ``ncclMemAlloc`` rounded to an assumed 2 MiB cuMem granularity, allocator tensors to 512
-B). NCCL EP's routing handle is a per-layer term held in flight, not a buffer; its never-freed
-device communicator of one domain is listed with its bytes unpriced.
+B). NCCL EP's routing handle is not a buffer: TransformerEngine's dispatch and combine save it
+for backward, so every MoE layer holds one from its forward until its backward, priced per layer
+in flight (:attr:`MoEMemoryConfig.moe_layers_in_flight`); its never-freed device communicator of
+one domain is listed with its bytes unpriced.
 
 Not modelled: NVSHMEM's own memory (DeepEP across more than 8 ranks), the bytes of NCCL's
 communicators, DeepEP's low-latency mode, capacity-factor routing (drop-and-pad keeps
@@ -62,7 +68,8 @@ megatron-core when called).
 
 The package, by section (each module imports only those above it):
 
-* ``sources``: the deep_ep, DeepEP v2 and NCCL EP commits the terms cite;
+* ``sources``: the deep_ep, DeepEP v2, TransformerEngine and NCCL EP commits the terms cite
+  (``MODELLED_COMMITS``);
 * ``terms``: :class:`Term` and the byte arithmetic;
 * ``hybridep``, ``deepep``, ``deepep_v2``, ``nccl_ep``: one module per flex backend's buffers;
 * ``retained``: the dispatcher state an unpatched megatron-core keeps between calls;
@@ -145,6 +152,7 @@ from .hybridep import (
 )
 from .nccl_ep import (
     NCCL_EP_DEFAULT_SMS,
+    NCCL_EP_HANDLE_HELD_BY,
     NCCL_EP_MAX_TOKENS_PER_RANK,
     NCCL_EP_RDMA_CHUNK,
     nccl_ep_capacity,
@@ -170,6 +178,7 @@ from .retained import (
     FLEX_BACKENDS,
     RECOMPUTE_MODES,
     LayerShape,
+    deepep_internode_handle_terms,
     retained_chain_terms,
     retained_state_terms,
 )
@@ -178,8 +187,10 @@ from .sources import (
     DEEP_EP_MAIN_COMMIT,
     DEEP_EP_SOURCES,
     DEEP_EP_V2_COMMIT,
+    MODELLED_COMMITS,
     NCCL_EP_COMMIT,
     SRC,
+    TRANSFORMER_ENGINE_COMMIT,
 )
 from .terms import (
     ALLOCATOR,
@@ -303,4 +314,8 @@ __all__ = [
     "NCCL_GRANULARITY",
     "TORCH_BLOCK",
     "device_rounding",
+    "MODELLED_COMMITS",
+    "TRANSFORMER_ENGINE_COMMIT",
+    "NCCL_EP_HANDLE_HELD_BY",
+    "deepep_internode_handle_terms",
 ]

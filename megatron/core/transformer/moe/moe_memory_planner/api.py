@@ -131,14 +131,18 @@ class MoEMemoryEstimate:
         moe_layers: MoE layers of the pipeline rank that builds the most.
         warnings: limits the backend documents but does not enforce, one line each
             (:func:`kernel_warnings`): priced as given.
+        moe_layers_in_flight: MoE layer forwards whose backward has not run at the step's peak
+            (:attr:`MoEMemoryConfig.moe_layers_in_flight`): each holds the ``in_flight``
+            terms.
         releasable: what the rank gets back between steps (:class:`ReleasableBytes`): the
             buffers the collective release frees and the dispatcher state the tree no longer
             holds; all 0 where ``releases`` is False.
 
     ``buffers`` are the bytes the code asks for; :attr:`buffer_device_rounding` adds what the
     device takes beyond them (:func:`device_rounding`). A term with ``in_flight`` (NCCL EP's
-    routing handle) is held by one layer from dispatch to combine, in PyTorch's allocator, and
-    not counted in :attr:`buffer_bytes` or :attr:`buffer_released_bytes`.
+    routing handle) is held by each MoE layer from its forward until its backward, in PyTorch's
+    allocator (:attr:`in_flight_bytes`), and not counted in :attr:`buffer_bytes` or
+    :attr:`buffer_released_bytes`: between steps nothing holds it.
     """
 
     config: MoEMemoryConfig
@@ -150,6 +154,18 @@ class MoEMemoryEstimate:
     moe_layers: int
     warnings: Tuple[str, ...] = ()
     releasable: ReleasableBytes = field(default_factory=ReleasableBytes)
+    moe_layers_in_flight: int = 1
+
+    @property
+    def in_flight_bytes_per_layer(self) -> int:
+        """Bytes one MoE layer holds from its forward until its backward (``in_flight``)."""
+        return total([t for t in self.buffers if t.in_flight])
+
+    @property
+    def in_flight_bytes(self) -> int:
+        """Bytes the ``in_flight`` terms take at the step's peak: per layer x
+        :attr:`moe_layers_in_flight`; 0 between steps."""
+        return self.in_flight_bytes_per_layer * self.moe_layers_in_flight
 
     @property
     def releasable_bytes(self) -> int:
@@ -321,6 +337,7 @@ def estimate_config(
         moe_layers=cfg.moe_layers_per_rank,
         warnings=tuple(kernel_warnings(cfg)),
         releasable=releasable,
+        moe_layers_in_flight=cfg.moe_layers_in_flight,
     )
 
 
@@ -421,9 +438,10 @@ def estimate(
         A :class:`MoEMemoryEstimate`: every term with its bytes, where it lives and the source
         line that sizes it (HybridEP's and DeepEP's buffers from deep_ep at ``DEEP_EP_COMMIT``
         or ``DEEP_EP_MAIN_COMMIT``, DeepEP v2's at ``DEEP_EP_V2_COMMIT``, NCCL EP's at
-        ``NCCL_EP_COMMIT``; its ``buffer_source`` names the one used), and what the rank gets
-        back between steps (``releasable``, ``releasable_bytes``: 0 where ``releases`` is
-        False).
+        ``NCCL_EP_COMMIT``; its ``buffer_source`` names the one used), what the MoE layers
+        hold from their forward until their backward (``in_flight_bytes``: NCCL EP's routing
+        handle, per layer in flight) and what the rank gets back between steps
+        (``releasable``, ``releasable_bytes``: 0 where ``releases`` is False).
 
     Raises:
         ValueError: a field missing or out of range, or a configuration the kernels refuse,

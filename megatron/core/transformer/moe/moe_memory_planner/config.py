@@ -319,27 +319,63 @@ class MoEMemoryConfig:
             per_rank[-1] = last
         return [per_rank[r] // vpp for _ in range(vpp) for r in range(pp)]
 
-    def rank_moe_layers(self) -> List[int]:
-        """MoE layers each pipeline rank builds (all its virtual stages): the decoder layers of
-        each stage in order (:meth:`_stage_decoders`: even, uneven first/last stages, or
-        ``pipeline_model_parallel_layout``), layer i MoE when ``moe_layer_freq`` says so
-        (``i % N == 0``, or the pattern's entry, as ``gpt_layer_specs.py`` reads it)."""
-        pp, freq = self.pipeline_model_parallel_size, self.moe_layer_freq
-        counts = [0] * pp
+    def stage_moe_layers(self) -> List[int]:
+        """MoE layers of each pipeline stage in layer order (stage v x PP + r is virtual stage v
+        of rank r): the decoder layers of each stage (:meth:`_stage_decoders`: even, uneven
+        first/last stages, or ``pipeline_model_parallel_layout``), layer i MoE when
+        ``moe_layer_freq`` says so (``i % N == 0``, or the pattern's entry, as
+        ``gpt_layer_specs.py`` reads it)."""
+        freq = self.moe_layer_freq
+        counts = []
         first = 0
-        for s, n in enumerate(self._stage_decoders()):
+        for n in self._stage_decoders():
             end = first + n
             if isinstance(freq, int):
-                counts[s % pp] += _cdiv(end, freq) - _cdiv(first, freq)
+                counts.append(_cdiv(end, freq) - _cdiv(first, freq))
             else:
-                counts[s % pp] += sum(freq[first:end])
+                counts.append(sum(freq[first:end]))
             first = end
+        return counts
+
+    def rank_moe_layers(self) -> List[int]:
+        """MoE layers each pipeline rank builds (all its virtual stages)."""
+        pp = self.pipeline_model_parallel_size
+        counts = [0] * pp
+        for s, n in enumerate(self.stage_moe_layers()):
+            counts[s % pp] += n
         return counts
 
     @property
     def moe_layers_per_rank(self) -> int:
         """MoE layers of the pipeline rank that builds the most (:meth:`rank_moe_layers`)."""
         return max(self.rank_moe_layers())
+
+    @property
+    def moe_layers_in_flight(self) -> int:
+        """MoE layer forwards whose backward has not yet run, at the training step's peak, on
+        the pipeline rank that holds the most: what a term held from a layer's forward to its
+        backward is multiplied by. A recomputed MoE layer runs its forward without autograd and
+        again in its backward: 1 (full recompute as one layer per checkpoint, as the retained
+        state assumes). Otherwise without pipelining, every MoE layer of the rank
+        (one micro-batch at a time); with 1F1B, PP - r micro-batches on rank r (its warmup,
+        ``schedules.py:957``, and the steady state's forward); interleaved, the warmup of
+        ``schedules.py:964-965`` (micro-batch groups of PP) and one more virtual micro-batch,
+        through the steady state, each of the MoE layers of its model chunk
+        (:func:`_interleaved_in_flight`). Megatron main d98e8a64ddf3; enough micro-batches to
+        reach the steady state are assumed (the configuration does not say how many)."""
+        if self.recompute != "none":
+            return 1
+        pp = self.pipeline_model_parallel_size
+        stages = self.stage_moe_layers()
+        vpp = len(stages) // pp
+        if pp == 1:
+            return sum(stages)
+        if vpp == 1:
+            return max(stages[r] * (pp - r) for r in range(pp))
+        return max(
+            _interleaved_in_flight([stages[v * pp + r] for v in range(vpp)], pp, r)
+            for r in range(pp)
+        )
 
     @property
     def recompute(self) -> str:
@@ -349,6 +385,32 @@ class MoEMemoryConfig:
         if self.recompute_granularity == "selective" and "moe" in self.recompute_modules:
             return "selective"
         return "none"
+
+
+def _interleaved_in_flight(chunks: Sequence[int], pp: int, rank: int) -> int:
+    """The most MoE layer forwards pipeline rank ``rank`` holds without their backward under
+    megatron's interleaved schedule, its model chunks holding ``chunks`` MoE layers each: the
+    forward of virtual micro-batch k runs chunk (k mod (PP x V)) // PP and the backward of j the
+    reverse chunk (``get_schedule_table``, ``get_model_chunk_id``, schedules.py:989, 1244-1248);
+    the warmup runs (PP - r - 1) x 2 + (V - 1) x PP forwards (schedules.py:964-965), then each
+    step one forward and one backward. Simulated over two whole periods of the steady state."""
+    v = len(chunks)
+    period = pp * v
+    warmup = (pp - rank - 1) * 2 + (v - 1) * pp
+
+    def forward(k: int) -> int:
+        return chunks[(k % period) // pp]
+
+    def backward(j: int) -> int:
+        return chunks[v - 1 - (j % period) // pp]
+
+    held = sum(forward(k) for k in range(warmup))
+    most = held
+    for j in range(2 * period):
+        held += forward(warmup + j)
+        most = max(most, held)
+        held -= backward(j)
+    return most
 
 
 def check_positive(name: str, value) -> None:

@@ -8,6 +8,14 @@ from typing import List, Optional
 from .sources import SRC
 from .terms import ALLOCATOR, HOST, OUTSIDE, Term, _a256, _cdiv, _up
 
+# Who holds the routing handle after megatron drops its EpBuffer at combine (main
+# token_dispatcher.py:1788): TransformerEngine's dispatch and combine save it for their
+# backward (TRANSFORMER_ENGINE_COMMIT, transformer_engine/pytorch/ep.py:554, 639).
+NCCL_EP_HANDLE_HELD_BY = (
+    "held by: the layer's forward until its backward (TE pytorch/ep.py:554,639 "
+    "save_for_backward; megatron drops its EpBuffer at combine, token_dispatcher.py:1788)"
+)
+
 
 def nccl_ep_capacity(tokens_per_rank: int, topk: int, capacity_factor: float, alignment: int = 0):
     """``(M, MR)``: the tokens per rank NCCL EP is bootstrapped for (rounded up to 64) and the
@@ -72,7 +80,8 @@ def nccl_ep_handle_bytes(
     sms: int = NCCL_EP_DEFAULT_SMS,
 ) -> int:
     """One MoE layer's routing handle (``HtBlockLayout::compute``, nccl_ep.cc:2397-2464),
-    allocated by TransformerEngine as a torch tensor per ``EpBuffer`` (pytorch/ep.py:301-302):
+    allocated by TransformerEngine as a torch tensor per ``EpBuffer`` (pytorch/ep.py:301-302)
+    and kept by its dispatch and combine for backward (:data:`NCCL_EP_HANDLE_HELD_BY`):
     expert-major layout, local permute without zero-copy, local (one domain) or NVLink
     (across domains) duplication with it (nccl_ep.cc:1889-1906)."""
     r, m, mr, e, k = group_size, max_tokens, recv_capacity, num_experts, topk
@@ -117,8 +126,9 @@ def nccl_ep_terms(
     NVLink domain; None: the whole group) sizes what NCCL EP lays out per domain: the
     probabilities hold the L x E / R experts of one domain (nccl_ep.cc:1011-1028), and across
     N = R / L domains a GIN buffer (:func:`nccl_ep_gin_bytes`). With ``topk``, the routing
-    handle one MoE layer holds from dispatch to combine (:func:`nccl_ep_handle_bytes`, at
-    ``sms`` SMs). Sources at ``NCCL_EP_COMMIT``, ``nccl_ep/nccl_ep.cc``."""
+    handle each MoE layer holds from its forward until its backward (``in_flight``, priced per
+    layer in flight: :func:`nccl_ep_handle_bytes`, at ``sms`` SMs). Sources at
+    ``NCCL_EP_COMMIT``, ``nccl_ep/nccl_ep.cc``."""
     r, m, mr, e, b = group_size, max_tokens, recv_capacity, num_experts, 2 * hidden
     lsa = r if ranks_per_node is None else min(r, ranks_per_node)
     n = r // lsa
@@ -161,6 +171,6 @@ def nccl_ep_terms(
     if topk is not None:
         handle = nccl_ep_handle_bytes(r, lsa, e, m, mr, topk, zero_copy, sms)
         terms.append(Term(f"routing handle, per MoE layer in flight ({sms} SMs)", handle,
-                          ALLOCATOR, "nccl_ep.cc:2397-2464", "released by: the layer's combine "
-                          f"(a fresh EpBuffer per dispatch, {SRC})", in_flight=True))  # fmt: skip
+                          ALLOCATOR, "nccl_ep.cc:2397-2464", NCCL_EP_HANDLE_HELD_BY,
+                          in_flight=True))  # fmt: skip
     return terms

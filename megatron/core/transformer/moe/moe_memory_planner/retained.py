@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import List, Optional
 
-from .deepep import DEFAULT_DEEPEP_SMS
+from .deepep import DEFAULT_DEEPEP_SMS, NUM_MAX_NVL_PEERS, SOURCE_META_BYTES
 from .hybridep import hybridep_handle_terms
 from .sources import SRC
 from .terms import ALLOCATOR, BF16, FP32, HOST, INT32, INT64, Term
@@ -61,7 +61,22 @@ class LayerShape:
         this rank's experts) under uniform top-k routing."""
         if self.received_tokens is not None:
             return self.received_tokens
-        e, lx, k = self.experts, self.local_experts, self.topk
+        return self.expected_tokens_reaching(self.local_experts, self.group)
+
+    @property
+    def expected_rdma_received_tokens(self) -> int:
+        """DeepEP across nodes: tokens a rank receives over RDMA for its node (its
+        ``num_rdma_recv_tokens``, csrc/kernels/internode.cu:200-210), the tokens of the G / 8
+        ranks of its GPU index, one per node, that pick at least one of the node's 8 x L
+        experts, under uniform top-k routing."""
+        nvl = NUM_MAX_NVL_PEERS
+        return self.expected_tokens_reaching(nvl * self.local_experts, self.group // nvl)
+
+    def expected_tokens_reaching(self, columns: int, senders: int) -> int:
+        """Tokens ``senders`` ranks of T tokens each send to ``columns`` of the routing map's
+        columns: T x senders x P(a token picks at least one of them) under uniform top-k
+        routing."""
+        e, lx, k = self.experts, columns, self.topk
         if k <= 64:
             miss = math.comb(e - lx, k) / math.comb(e, k)
         elif e - lx < k:
@@ -69,7 +84,7 @@ class LayerShape:
         else:  # the same ratio through lgamma: comb of a large top-k would take too long
             lg = math.lgamma
             miss = math.exp(lg(e - lx + 1) - lg(e - lx - k + 1) - lg(e + 1) + lg(e - k + 1))
-        return math.ceil(self.tokens * self.group * (1 - miss))
+        return math.ceil(self.tokens * senders * (1 - miss))
 
 
 DISPATCHERS = ("allgather", "alltoall", "flex")
@@ -174,13 +189,17 @@ def retained_state_terms(
 def retained_chain_terms(shape: LayerShape, dispatcher: str, backend: Optional[str] = None):
     """Without recompute, a later layer's retained graph reaches back through this layer's
     combine: what that combine's ``ctx`` adds to the layer's own terms (held for every MoE
-    layer of a rank but the last). With recompute every layer's graph ends at its own leaf."""
+    layer of a rank but the last). With recompute every layer's graph ends at its own leaf.
+    DeepEP's handle is the one its dispatch returns: intranode up to 8 ranks, the 10 tensors
+    of the internode dispatch past them (:func:`deepep_internode_handle_terms`)."""
     s = shape
     if s.recompute != "none" or dispatcher != "flex":
         return []
     if backend == "hybridep":
         return [Term("combine ctx: num_permuted_tokens (0-d int64)", INT64, ALLOCATOR,
                      "megatron/core/transformer/moe/fused_a2a.py HybridEPCombine")]  # fmt: skip
+    if s.group > NUM_MAX_NVL_PEERS:
+        return deepep_internode_handle_terms(s)
     g, c, t, r = s.group, s.channels, s.tokens, s.expected_received_tokens
     src = "deep_ep/buffer.py Buffer.dispatch (the handle FusedCombine's ctx keeps)"
     return [
@@ -191,3 +210,42 @@ def retained_chain_terms(shape: LayerShape, dispatcher: str, backend: Optional[s
         Term("handle: is_token_in_rank [T, G] bool", t * g, ALLOCATOR, src),
         Term("handle: send_head [T, G] int32", t * g * INT32, ALLOCATOR, src),
     ]
+
+
+# Where deep_ep (DEEP_EP_COMMIT) allocates the internode dispatch's handle: csrc/deep_ep.cpp,
+# Buffer::get_dispatch_layout (is_token_in_rank) and Buffer::internode_dispatch; the tuple is
+# deep_ep/buffer.py:589-592 (the same 10 tensors at DEEP_EP_MAIN_COMMIT, buffers/legacy.py:500).
+_INTERNODE_HANDLE = "deep_ep.cpp:{} (Buffer.internode_dispatch's handle, buffer.py:589-592)"
+
+
+def deepep_internode_handle_terms(shape: LayerShape) -> List[Term]:
+    """The handle DeepEP's internode dispatch returns (G > 8 ranks, N = G / 8 RDMA ranks), which
+    FusedCombine's ``ctx`` keeps (``fused_a2a.py:186``): with C channels, T tokens, R tokens
+    received (:attr:`LayerShape.expected_received_tokens`) and R_rdma received over RDMA for the
+    node (:attr:`LayerShape.expected_rdma_received_tokens`): is_token_in_rank [T, G] bool,
+    rdma_channel_prefix_matrix and recv_rdma_channel_prefix_matrix [N, C] int32,
+    gbl_channel_prefix_matrix and recv_gbl_channel_prefix_matrix [G, C] int32,
+    recv_rdma_rank_prefix_sum [N] and recv_gbl_rank_prefix_sum [G] int32, recv_src_meta [R, 8]
+    uint8 (``SourceMeta``), send_rdma_head [T, N] int32 and send_nvl_head [R_rdma, 8] int32."""
+    s = shape
+    g, c, t = s.group, s.channels, s.tokens
+    n, nvl = g // NUM_MAX_NVL_PEERS, NUM_MAX_NVL_PEERS
+    r, rr = s.expected_received_tokens, s.expected_rdma_received_tokens
+
+    def term(name: str, nbytes: int, line: int, note: str = "") -> Term:
+        return Term(f"handle: {name}", nbytes, ALLOCATOR, _INTERNODE_HANDLE.format(line), note)
+
+    return [
+        term("is_token_in_rank [T, G] bool", t * g, 394),
+        term("rdma_channel_prefix_matrix [N, C] int32", n * c * INT32, 948),
+        term("gbl_channel_prefix_matrix [G, C] int32", g * c * INT32, 950),
+        term("recv_rdma_channel_prefix_matrix [N, C] int32", n * c * INT32, 1006),
+        term("recv_rdma_rank_prefix_sum [N] int32", n * INT32, 949),
+        term("recv_gbl_channel_prefix_matrix [G, C] int32", g * c * INT32, 1007),
+        term("recv_gbl_rank_prefix_sum [G] int32", g * INT32, 951),
+        term("recv_src_meta [R, 8] uint8", r * SOURCE_META_BYTES, 1005,
+             "SourceMeta, csrc/kernels/internode.cu:40-42"),
+        term("send_rdma_head [T, N] int32", t * n * INT32, 1008),
+        term("send_nvl_head [R_rdma, 8] int32", rr * nvl * INT32, 1009,
+             "R_rdma: the tokens this rank receives over RDMA for its node"),
+    ]  # fmt: skip

@@ -22,7 +22,8 @@ class Term:
     """One allocation: its name, bytes, where it lives and the source line that sizes it;
     ``released`` is False for what the kernel's destroy leaves allocated; ``alloc`` names the
     one device allocation several terms share (rounded as one, :func:`device_rounding`);
-    ``in_flight`` marks what a call holds until a later one frees it, not a buffer."""
+    ``in_flight`` marks what each MoE layer holds from its forward until its backward frees it
+    (priced per layer in flight), not a buffer."""
 
     name: str
     nbytes: int
@@ -41,7 +42,8 @@ def total(terms: Sequence[Term], where: Optional[str] = None) -> int:
 
 def released_bytes(terms: Sequence[Term]) -> int:
     """Bytes a release of these buffers gives back, device and pinned host: every term but
-    those the kernel's destroy leaves allocated and those a call holds in flight."""
+    those the kernel's destroy leaves allocated and those a layer holds in flight (freed by
+    its backward, not by a release)."""
     return sum(t.nbytes for t in terms if t.released and not t.in_flight)
 
 
