@@ -155,8 +155,12 @@ def materialize(src: Path, row: str, base: Optional[str], checkout: Optional[str
     return tree
 
 
-def run_row(tree: Path, backends, scenarios, label: str) -> Dict[str, dict]:
-    """Every cell of one tree: ``{"scenario/backend": summary}``."""
+def run_row(
+    tree: Path, backends, scenarios, label: str, nodes: Optional[tuple] = None
+) -> Dict[str, dict]:
+    """Every cell of one tree: ``{"scenario/backend": summary}``; ``nodes``: (nodes, ranks
+    per node) of an emulated multi-node layout (None: 2 ranks on one node)."""
+    layout = {} if nodes is None else {"world": nodes[0] * nodes[1], "ranks_per_node": nodes[1]}
     from moe_release.backends import available
 
     has = set(available(str(tree))) | set(fs.DISPATCHERS)
@@ -168,7 +172,7 @@ def run_row(tree: Path, backends, scenarios, label: str) -> Dict[str, dict]:
             if not fs.applies(scenario, backend):
                 continue
             start = time.monotonic()
-            summary = fc.summary(fc.run_cell(str(tree), scenario, backend))
+            summary = fc.summary(fc.run_cell(str(tree), scenario, backend, **layout))
             out[f"{scenario}/{backend}"] = summary
             bad = fc.violations(scenario, summary, None)
             verdict = "pass" if not bad else "FAIL: " + "; ".join(bad)
@@ -201,7 +205,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--checkout", help="Megatron-LM checkout for a commit base")
     parser.add_argument("--series-from", metavar="REV", help="read the series at this commit")
     parser.add_argument("--backends", default=",".join(fs.BACKENDS))
-    parser.add_argument("--scenarios", default=",".join(fs.SCENARIOS))
+    parser.add_argument(
+        "--scenarios",
+        help="comma-separated (default: every scenario; with "
+        f"--nodes those that change across nodes, {','.join(fs.NODES_SCENARIOS)})",
+    )
+    parser.add_argument("--nodes", metavar="NxR", help="emulated nodes x ranks per node, e.g. "
+                        f"{fs.NODES_WORLD // fs.NODES_RANKS_PER_NODE}x{fs.NODES_RANKS_PER_NODE} "
+                        "(default: 2 ranks on one node)")  # fmt: skip
     parser.add_argument("--out", type=Path, help="write the markdown table here")
     parser.add_argument("--json", type=Path, help="write every cell's figures here")
     parser.add_argument("--record-golden", type=Path, metavar="PATH")
@@ -213,6 +224,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
         parser.error(f"unknown rows {unknown}")
+    nodes = None
+    if args.nodes:
+        try:
+            nodes = tuple(int(x) for x in args.nodes.lower().split("x"))
+        except ValueError:
+            nodes = ()
+        if len(nodes) != 2 or min(nodes) < 1:
+            parser.error(f"--nodes {args.nodes}: expected NxR, e.g. 2x2")
+    scenarios = args.scenarios or ",".join(fs.NODES_SCENARIOS if nodes else fs.SCENARIOS)
+    where = f"{args.base or '0.19.2'}" + (f", {nodes[0]} x {nodes[1]} nodes" if nodes else "")
     label = args.series_from or "worktree"
     results: Dict[str, Dict[str, dict]] = {}
     for path in args.from_json or ():
@@ -229,10 +250,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             continue
         print(f"[{row}] {tree}", flush=True)
         results[row] = run_row(
-            tree,
-            args.backends.split(","),
-            args.scenarios.split(","),
-            f"{args.base or '0.19.2'} {row}",
+            tree, args.backends.split(","), scenarios.split(","), f"{where} {row}", nodes
         )
         if args.json:  # after each row: a long run stopped early keeps what it measured
             args.json.write_text(json.dumps(results, indent=1, default=str))
@@ -244,9 +262,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     table = fc.markdown(results, "base")
     text = "\n".join(failures(results, "base"))
     if args.out:
-        begin, end = markers(args.base or "0.19.2")
+        begin, end = markers(where)
         generated = (
-            f"{begin}\n<!-- fault_matrix.py --rows {','.join(rows)}: {args.base or '0.19.2'}, "
+            f"{begin}\n<!-- fault_matrix.py --rows {','.join(rows)}: {where}, "
             f"{series} -->\n{table}\n{text}\n{end}"
         )
         old = args.out.read_text() if args.out.exists() else ""

@@ -32,8 +32,18 @@ from moe_release.runtime.megatron.fault_scenarios import (
 )
 
 
-def run_cell(tree: str, scenario: str, backend: str, log: Callable[[str], None] = print) -> dict:
-    """Run one cell on ``tree`` (2 rank processes, bounded, always reaped); its measurements."""
+def run_cell(
+    tree: str,
+    scenario: str,
+    backend: str,
+    log: Callable[[str], None] = print,
+    world: int = WORLD,
+    ranks_per_node: Optional[int] = None,
+) -> dict:
+    """Run one cell on ``tree`` (``world`` rank processes, bounded, always reaped); its
+    measurements. ``ranks_per_node``: the emulated nodes' size (MOE_RELEASE_RANKS_PER_NODE in
+    every rank; None: one node)."""
+    from moe_release import settings
     from moe_release.runtime.ranks import launcher
 
     bound = BOUNDS[scenario]
@@ -55,9 +65,12 @@ def run_cell(tree: str, scenario: str, backend: str, log: Callable[[str], None] 
         procs, logs = [], []
         started = time.time()
         try:
-            for rank in range(WORLD):
-                env = launcher.rank_env(tree, rank, WORLD, port)
+            for rank in range(world):
+                env = launcher.rank_env(tree, rank, world, port)
                 env["MOE_RELEASE_RANK_ENTRY"] = f"{THIS}:rank_entry"
+                env.pop(settings.RANKS_PER_NODE, None)
+                if ranks_per_node is not None:
+                    env[settings.RANKS_PER_NODE] = str(ranks_per_node)
                 forked = zygote.fork(job, rank, env) if zygote is not None else None
                 if forked is None:
                     out = open(job / f"rank{rank}.log", "w+b")
@@ -75,14 +88,15 @@ def run_cell(tree: str, scenario: str, backend: str, log: Callable[[str], None] 
             for out in logs:
                 out.close()
         cell = _collect(job, procs, exited, spec)
-    cell.update(tree=tree, scenario=scenario, backend=backend, bound=bound)
+    cell.update(tree=tree, scenario=scenario, backend=backend, bound=bound, world=world,
+                ranks_per_node=ranks_per_node)  # fmt: skip
     return cell
 
 
 def _wait(procs, scenario: str, deadline: float, log0: Path, bound: float) -> List[Optional[float]]:
-    """Each rank's exit time (None: killed at the deadline). In c2 rank 1 is killed once rank
-    0 has exited (it only sleeps); in c1/c2 rank 0 is killed 3 s past the bound of a teardown
-    that has not returned."""
+    """Each rank's exit time (None: killed at the deadline). In c2 the last rank
+    (fault_scenarios.faulty_rank) is killed once the others have exited (it only sleeps); in
+    c1/c2 rank 0 is killed 3 s past the bound of a teardown that has not returned."""
     exited: List[Optional[float]] = [None] * len(procs)
     checked = 0.0
     while time.time() < deadline:
@@ -95,7 +109,7 @@ def _wait(procs, scenario: str, deadline: float, log0: Path, bound: float) -> Li
         for i, p in enumerate(procs):
             if exited[i] is None and p.poll() is not None:
                 exited[i] = time.time()
-        if scenario == "c2" and exited[0] is not None and exited[1] is None:
+        if scenario == "c2" and all(e is not None for e in exited[:-1]) and exited[-1] is None:
             return exited
         if all(e is not None for e in exited):
             return exited
@@ -243,8 +257,8 @@ def summary(cell: Dict[str, Any]) -> Dict[str, Any]:
         ]
     exits = []
     for i, r in enumerate(ranks):
-        if s == "c2" and i == 1:
-            exits.append(None)  # killed by design
+        if s == "c2" and i == len(ranks) - 1:
+            exits.append(None)  # killed by design (fault_scenarios.faulty_rank)
             continue
         exits.append(r["exit_s"] if not r["killed"] else float("inf"))
     teardown = [max(r.get("teardown_s") or [0.0]) if r.get("teardown_s") else None for r in ranks]

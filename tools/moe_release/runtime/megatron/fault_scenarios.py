@@ -88,6 +88,18 @@ CYCLES = 5
 BYTES_JITTER = 128
 TOKENS = 12
 WORLD = 2
+# Across nodes (issue 54): 2 emulated nodes x 2 ranks (MOE_RELEASE_RANKS_PER_NODE=2), and the
+# scenarios whose frees or waits change there (the others: one node only).
+NODES_WORLD, NODES_RANKS_PER_NODE = 4, 2
+NODES_SCENARIOS = ("a", "b", "c1", "c2", "d", "h", "i", "j")
+
+
+def faulty_rank(world: int) -> int:
+    """The rank that raises, exits early, sleeps or is replaced: the last one (rank 1 of 2; on
+    the other node than rank 0 when the ranks span nodes)."""
+    return world - 1
+
+
 THIS = "moe_release.runtime.megatron.fault_scenarios"
 
 
@@ -245,10 +257,13 @@ class InjectedFault(RuntimeError):
 
 
 def _raise_in_experts(layer) -> None:
-    """Rank 1's experts raise: its dispatch has run, its combine never will."""
+    """The faulty rank's experts raise: its dispatch has run, its combine never will."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
 
     def fail(*args, **kwargs):
-        raise InjectedFault("rank 1: the experts failed after the dispatch")
+        raise InjectedFault(f"rank {rank}: the experts failed after the dispatch")
 
     layer.experts.forward = fail
 
@@ -341,7 +356,7 @@ def _scenario(r: _Rank, scenario: str, backend: str) -> None:
         r.settled_bytes()
     elif scenario == "b":
         _step(layer)
-        if rank == 1:
+        if rank == faulty_rank(dist.get_world_size()):
             _raise_in_experts(layer)
         r.mark("fault")
         try:
@@ -353,7 +368,7 @@ def _scenario(r: _Rank, scenario: str, backend: str) -> None:
         raise AssertionError("the step after the fault completed")
     elif scenario in ("c1", "c2"):
         _step(layer)
-        if rank == 1:
+        if rank == faulty_rank(dist.get_world_size()):
             if scenario == "c2":
                 time.sleep(BOUNDS["c2"] + 15.0)  # killed once rank 0 has exited
             r.finish()
@@ -429,6 +444,8 @@ def _scenario(r: _Rank, scenario: str, backend: str) -> None:
 def _scenario_f(r: _Rank, layer, backend: str) -> None:
     """Two forwards, the second larger (the buffer is re-created), the first's backward
     pending; then rank 1 raises and unwinds, dropping both graphs."""
+    import torch.distributed as dist
+
     from moe_release.runtime.measure import faults
 
     pending = [_forward(layer, TOKENS, 1)]
@@ -437,8 +454,8 @@ def _scenario_f(r: _Rank, layer, backend: str) -> None:
     r.out["buffers_made"] = len(faults.BUFFERS) - made
     r.settled_bytes()
     try:
-        if r.rank == 1:
-            raise InjectedFault("rank 1: failed with two backwards pending")
+        if r.rank == faulty_rank(dist.get_world_size()):
+            raise InjectedFault(f"rank {r.rank}: failed with two backwards pending")
         for y in reversed(pending):
             y.float().sum().backward()
     except BaseException as exc:  # leaving the handler drops the graphs: finalizers run
@@ -463,7 +480,7 @@ def _scenario_j(r: _Rank, layer, backend: str) -> None:
     del layer
     r.mark("abort")
     abort_groups()
-    if r.rank == 1:
+    if r.rank == faulty_rank(int(os.environ["WORLD_SIZE"])):
         r.mark("replaced")
         env = dict(os.environ, MOE_RELEASE_REPLACEMENT="1")
         sys.stdout.flush()
@@ -473,13 +490,25 @@ def _scenario_j(r: _Rank, layer, backend: str) -> None:
     dist.destroy_process_group()
     from moe_release.runtime.ranks.launcher import free_port
 
-    # The new world's port, chosen now (a port reserved at the cell's start may be taken by
-    # then), for the replacement to read from the job's directory.
-    port = free_port()
-    (r.job / "second_port.tmp").write_text(str(port))
-    os.replace(r.job / "second_port.tmp", r.job / "second_port")
+    # The new world's port, chosen now by rank 0 (a port reserved at the cell's start may be
+    # taken by then), for the replacement and the other survivors to read from the job's
+    # directory.
+    if r.rank == 0:
+        port = free_port()
+        (r.job / "second_port.tmp").write_text(str(port))
+        os.replace(r.job / "second_port.tmp", r.job / "second_port")
+    else:
+        port = _second_port(r.job)
     _new_world(port, r.spec)
     _after_restart(r, backend)
+
+
+def _second_port(job: Path) -> int:
+    """The new world's port rank 0 wrote (j), waited for at most j's bound."""
+    deadline = time.monotonic() + BOUNDS["j"]
+    while not (job / "second_port").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return int((job / "second_port").read_text())
 
 
 def _new_world(port: int, spec: Dict[str, Any]) -> None:
@@ -630,10 +659,7 @@ def rank_entry(job: str) -> None:
     _log_warnings()
     replacement = settings.fault_replacement()
     if replacement:  # j's fresh process: it joins the re-formed world only, on rank 0's port
-        deadline = time.monotonic() + BOUNDS["j"]
-        while not (job_dir / "second_port").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        _new_world(int((job_dir / "second_port").read_text()), spec)
+        _new_world(_second_port(job_dir), spec)
     else:
         dist.init_process_group(
             "gloo",
