@@ -21,6 +21,7 @@ variable                                 accessor                           type
 ``MOE_RELEASE_PLACEMENT_TRACE``          :func:`placement_trace`            flag, "1" on (off)
 ``MOE_RELEASE_DEVICE_BARRIER_TIMEOUT``   :func:`device_barrier_timeout`     seconds (30)
 ``MOE_RELEASE_RANKS_PER_NODE``           :func:`ranks_per_node`             ranks (unset: one node)
+``DEEP_EP_SRC``                          :func:`deep_ep_src`                path (unset)
 ``MOE_RELEASE_FAULT_GLOO_TIMEOUT``       :func:`fault_gloo_timeout`         seconds (caller's)
 ``MOE_RELEASE_REPLACEMENT``              :func:`fault_replacement`          flag, "1" on (off)
 ``MOE_RELEASE_FAULT_LOG``                :func:`fault_log`                  path (unset)
@@ -181,6 +182,12 @@ def ranks_per_node() -> Optional[int]:
     if n < 1:
         raise SettingError(f"{RANKS_PER_NODE}={value!r}: not a positive integer")
     return n
+
+
+def deep_ep_src() -> Optional[str]:
+    """``DEEP_EP_SRC``: a deep_ep git repository to read (the planner's cited lines) or to
+    carry to a lent GPU (``scripts/device-check kernels prepare``); unset: none."""
+    return _get("DEEP_EP_SRC")
 
 
 def fault_gloo_timeout(default: float) -> float:

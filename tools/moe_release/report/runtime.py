@@ -29,6 +29,11 @@ class Runtime:
 
     def describe(self) -> str:
         """One phrase for the table header."""
+        if self.kernels == "deep_ep" and self.backend == "gloo":
+            return (
+                "CUDA, deep_ep kernels, the ranks sharing one GPU (process group over gloo), "
+                "CUDA caching-allocator statistics"
+            )
         if self.kernels == "deep_ep":
             return "CUDA, deep_ep kernels over NCCL, CUDA caching-allocator statistics"
         if self.device == "cuda":
@@ -48,7 +53,9 @@ def resolve_runtime(
     ``cuda_devices``: visible GPUs; ``deep_ep``: None if no deep_ep is importable, else which
     of its surfaces megatron's HybridEP backend needs is missing ("" when none is). "auto"
     prefers a GPU, and on a GPU the real kernels when they can run: a GPU per rank (NCCL
-    refuses two ranks on one GPU) and a deep_ep with ``HybridEPBuffer``.
+    refuses two ranks on one GPU) and a deep_ep with ``HybridEPBuffer``. ``kernels="deep_ep"``
+    with fewer GPUs than ranks shares them: the process group is gloo (NCCL refuses a duplicate
+    GPU), the kernels' own transfers go over CUDA IPC between processes on one device.
     """
     if device not in ("auto", "cpu", "cuda"):
         raise ReportError(f"--device {device}: expected auto, cpu or cuda")
@@ -68,8 +75,8 @@ def resolve_runtime(
             why = "deep_ep is not importable"
         elif deep_ep:
             why = f"the installed deep_ep lacks {deep_ep} (HybridEP is on its hybrid-ep branch)"
-        else:
-            why = f"{world} ranks need {world} GPUs for NCCL, {cuda_devices} visible"
+        else:  # fewer GPUs than ranks: they share them, over gloo
+            return Runtime(device, kernels, "gloo")
         raise ReportError(f"--kernels deep_ep: {why}")
     if kernels == "auto":
         kernels = "deep_ep" if real_ok else "emulation"
