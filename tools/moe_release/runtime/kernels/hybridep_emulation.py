@@ -117,20 +117,22 @@ this emulation itself, not taken from the memory planner, so that the report's p
 compare two readings. The real buffer lives outside PyTorch's allocator (``cudaMalloc``, or
 cuMem with fabric handles, rounded to the granularity: not modelled); the emulation allocates
 the sum of the terms below as one tensor (``memory``; ``terms`` lists them), so allocator
-counts see it live and die with the buffer object. Intranode only: one NVLink domain, R the
-group size (``hybrid_ep_buffer.py:63-83``: ``NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN`` or the
-detected ranks; a smaller domain, i.e. several nodes, raises ``NotImplementedError``).
+counts see it live and die with the buffer object. R is the NVLink domain
+(``hybrid_ep_buffer.py:61-83``: ``NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN``, else the detected
+ranks, here the emulated node's) and M = group size / R; several nodes add the RDMA rows of the
+second table (see "Several nodes" below).
 Rows per rank: the first call's tokens, at least 512, rounded up to the combine chunk
 (``config.cuh:385-387``); a later call with more tokens rounds them to 16
 (``hybrid_ep_buffer.py:142``), then to the combine chunk (``config.cuh:466-468``), and a larger
 figure regrows the buffer (``config.cuh:557-559``, ``intranode.cu:136``), freeing the old one
-first (``hybrid_ep.cu:123-131``). N = rows x R (``intranode.cu:127-129``), S = preprocessing
+first (``hybrid_ep.cu:123-131``). N = rows x R x M (``intranode.cu:127-129``), S = preprocessing
 blocks (``num_sms_preprocessing_api``, else 108: ``config.cuh:365``), Cd / Cc = cdiv(rows,
 dispatch / combine chunk) (``config.cuh:388-391``; chunks of
 ``NUM_OF_TOKENS_PER_CHUNK_DISPATCH_API`` / ``_COMBINE_API``, 64 unless set, read with ``atoi``:
 ``config.cuh:197-200,383-384``). Files:
-``intranode.cu`` under ``csrc/hybrid_ep/buffer/``, ``allgather.cu`` under ``extension/``,
-``allocator.cu`` under ``allocator/``, ``hybrid_ep_backend.cuh`` under ``backend/``.
+``intranode.cu`` and ``internode_doca.cu`` under ``csrc/hybrid_ep/buffer/``, ``allgather.cu``
+under ``extension/``, ``allocator.cu`` under ``allocator/``, ``hybrid_ep_backend.cuh`` under
+``backend/``, ``utils.cuh`` and ``config.cuh`` under ``csrc/hybrid_ep/``.
 
 [hybridep buffer] ``HybridEPBuffer(...)`` and its regrowth
 
@@ -144,18 +146,18 @@ dispatch / combine chunk) (``config.cuh:388-391``; chunks of
 | combine expected flag value | all | 8 | intranode.cu:269 |
 | combine flag parity | all | 4 | intranode.cu:271 |
 | combine expected unpermute flag | all | 4 | intranode.cu:274 |
-| combine chunk flags | all | Cc x R x 4 | intranode.cu:277-278 |
+| combine chunk flags | all | Cc x R x M x 4 | intranode.cu:277-278 |
 | dispatch expert_output_scaling_factor | all | N x floor(H/128) x 4 | intranode.cu:201,213 |
 | dispatch write-completion flags | local rank 0 | 8 | intranode.cu:216-218 |
 | dispatch expected flag value | all | 8 | intranode.cu:220 |
 | dispatch flag parity | all | 4 | intranode.cu:222 |
 | dispatch expected permute flag | all | 4 | intranode.cu:226 |
-| dispatch chunk flags | all | Cd x R x 4 | intranode.cu:229-230 |
-| all-gather routing map | all | E_l x R x rows x R | allgather.cu:144-147 |
-| all-gather NVLink sync flag | local rank 0 | 8 | allgather.cu:150-154 |
-| all-gather SM sync flag | all | 8 | allgather.cu:157 |
-| all-gather iteration id | all | 8 | allgather.cu:159 |
-| all-gather peer pointers | all | R x 8 | allgather.cu:164 |
+| dispatch chunk flags | all | Cd x R x M x 4 | intranode.cu:229-230 |
+| all-gather routing map | all | E_l x R x M x rows x R x M | allgather.cu:144-147 |
+| all-gather NVLink sync flag | local rank 0, M = 1 | 8 | allgather.cu:150-154 |
+| all-gather SM sync flag | M = 1 | 8 | allgather.cu:157 |
+| all-gather iteration id | M = 1 | 8 | allgather.cu:159 |
+| all-gather peer pointers | M = 1 | R x 8 | allgather.cu:164 |
 | allocator probe | all | 512 | allocator.cu:62 |
 
 ``hybrid_ep::tmp_state_t`` is ``{enum, int32}``, 8 bytes (``hybrid_ep_backend.cuh:79-87``).
@@ -164,9 +166,96 @@ default ``use_shared_buffer=True``, ``hybrid_ep_buffer.py:51``; ``intranode.cu:2
 packed memory handles are pageable host tensors (``intranode.cu:245,292``,
 ``allgather.cu:173``); the Python constructor's own ``ExtendedMemoryAllocator``
 (``hybrid_ep_buffer.py:61``) and its 512-byte probe are dropped when the constructor returns.
+The custom all-gather's NVLink state (its flags and peer pointers) exists on one node only
+(``allgather.cu:149``, ``181-182``): on several nodes the routing map is gathered otherwise.
+
+**Several nodes.** A group larger than its NVLink domain (M > 1) takes HybridEP's multi-node path
+(``hybrid_ep.cu:62-70``; the real build needs ``HYBRID_EP_MULTINODE=1``, ``setup.py:47,100-101``,
+else the constructor asserts; its default transport is DOCA GPUNetIO, ``internode.cuh:11-15``,
+``setup.py:103-110``). The constructor first initializes the RDMA coordinator
+(``internode_doca.cu:337-381``: opens its GPU's NIC, allocates a protection domain; local, no
+collective). Every ``allocate_buffer`` (the constructor's and each regrowth's,
+``hybrid_ep.cu:92-107``) then allocates the rows below with ``cudaMalloc``, registers 14 memory
+regions (``ibv_reg_mr``), creates Qc + Qd queue pairs and connects them: the combine queue
+pairs' addresses and keys, then the dispatch ones' (``internode_doca.cu:332-335``), are
+all-gathered over the whole group (``exchange_remote_rdma_info``, ``torch.distributed.all_gather``
+from C++, ``internode_doca.cu:503,649,789-812``: every rank of the group takes part, and each
+reads the M - 1 ranks of its own local rank on the other nodes, ``:808``). The emulation runs
+each of the two as a rendezvous of every rank of the group on the job's store
+(:class:`moe_release.runtime.measure.faults.Fabric`, over the ranks the constructor exchanged
+with), logged as ``hybridep rdma info exchange (combine)`` / ``(dispatch)`` and bounded by
+``MOE_RELEASE_DEVICE_BARRIER_TIMEOUT``: a peer that never arrives makes it raise "a GPU would
+trap", where the real all-gather waits for the process group's timeout. Teardown is local:
+``release_buffer`` (the destructor, and each regrowth before it reallocates) runs
+``RDMACoordinator::destroy`` (``hybrid_ep.cu:83-86``, ``internode_doca.cu:698-787``): a device
+synchronize, ``ibv_dereg_mr``, ``cudaFree``, the queue pairs destroyed; no collective, no peer
+waits (the protection domain and the device close with the coordinator,
+``internode_doca.cu:814-832``). The emulation frees with the runtime and logs
+``hybridep rdma release`` over the rank alone (``collective: false``, the buffer's ranks as
+``peers``). A peer's RDMA write into a deregistered region then fails on that peer's queue pair:
+not modelled. Dispatch and combine give the one-node results: the same all-to-alls over the
+group, reduced in the same fixed order (the real combine reduces within the node, then across
+nodes). The multi-node rows per rank must keep the dispatch queue pairs' send depth
+3 x rows + 1 below 65536 (``config.cuh:18-47``, ``94-95``): a constructor past it raises
+``RuntimeError`` (``config.cuh:393-398``), a larger call ``AssertionError``
+(``hybrid_ep_buffer.py:156``).
+
+M' = M - 1 (the remote nodes), Qd / Qc = M' x dispatch / combine blocks
+(``num_sms_dispatch_api`` / ``_combine_api``, else 8 on several nodes and 24 on one:
+``config.cuh:366-367``), one queue pair per block and remote node
+(``internode_doca.cu:453,608``); 104 and 80 bytes are ``sizeof(dispatch_memory_region_info_t)``
+and ``sizeof(combine_memory_region_info_t)`` (eight / six 4-byte keys, nine / seven 8-byte
+addresses, ``utils.cuh:43-77``); ``doca.cu`` is ``internode_doca.cu``, ``_sf`` a
+``_scaling_factor`` buffer.
+
+[hybridep buffer, multi-node] the RDMA coordinator's, on every rank when M > 1
+
+| multi-node term | ranks | bytes | source @94a9f8f |
+|---|---|---|---|
+| RDMA combine intra_node_red_token | all | rows x M' x H x 2 | doca.cu:559-560,573-574 |
+| RDMA combine intra_node_red_prob | all | rows x M' x E_l x R x 4 | doca.cu:561-562,575-576 |
+| RDMA combine inter_node_group_token | all | rows x M' x H x 2 | doca.cu:563-564,577-578 |
+| RDMA combine inter_node_group_prob | all | rows x M' x E_l x R x 4 | doca.cu:565-566,579-580 |
+| RDMA combine inter_node_group_flags | all | (Cc + 2) x M' x 8 | doca.cu:567-570,581-582 |
+| RDMA combine attn_output_flags | all | (Cc + 2) x M' x 8 | doca.cu:567-570,585-586 |
+| RDMA combine expected_rdma_flag_value | all | 8 | doca.cu:591 |
+| RDMA combine queue-pair pointers | all | Qc x 8 | doca.cu:608,660 |
+| RDMA combine memory-region info | all | Qc x 80 | doca.cu:608,664 |
+| RDMA dispatch attn_input_token | all | rows x H x 2 | doca.cu:388,409-410 |
+| RDMA dispatch attn_input_prob | all | rows x E_l x R x M x 4 | doca.cu:389-392,411-412 |
+| RDMA dispatch attn_input_sf | all | rows x floor(H/128) x 4 | doca.cu:393-394,413-414 |
+| RDMA dispatch inter_node_group_token | all | rows x M' x H x 2 | doca.cu:395-397,415-416 |
+| RDMA dispatch inter_node_group_prob | all | rows x M' x E_l x R x 4 | doca.cu:398-401,417-418 |
+| RDMA dispatch inter_node_group_sf | all | rows x M' x floor(H/128) x 4 | doca.cu:402-403,419-420 |
+| RDMA dispatch inter_node_group_flags | all | (Cd + 2) x M' x 8 | doca.cu:404-407,421-422 |
+| RDMA dispatch attn_input_flags | all | (Cd + 2) x M' x 8 | doca.cu:404-407,425-426 |
+| RDMA dispatch expected_rdma_flag_value | all | 8 | doca.cu:431 |
+| RDMA dispatch queue-pair pointers | all | Qd x 8 | doca.cu:453,514 |
+| RDMA dispatch memory-region info | all | Qd x 104 | doca.cu:453,518 |
+
+Not multi-node terms: the queue pairs' work and completion queues, which DOCA GPUNetIO places in
+GPU memory (``internode_doca.cuh:51-52``; send depths 3 x rows + 1 and 2 x rows + 1,
+``internode_doca.cu:457,612``), sized inside DOCA, not in deep_ep's source; the host-side
+remote-info and memory-region arrays (``calloc``); the exchange's transient tensors (Q x 96
+bytes of ``remote_info`` per rank and the gathered copies, through PyTorch's allocator, freed
+when it returns, ``internode_doca.cu:793-811``).
+
+**The emulated node, scaled down.** R is ``node_layout(group, group size)``'s ranks per node
+(:func:`moe_release.runtime.kernels.emulation_common.node_layout`): ``MOE_RELEASE_RANKS_PER_NODE``
+ranks, else the whole group, where the real detection counts the ranks of the host or NVLink
+fabric (up to 72, ``config.cuh:16``): the tests' 2 x 2 layout has 2 ranks per "node" where a
+real node has 4 or 8 GPUs (72 on an NVL72 rack), and every rank is a process of one host over
+gloo. ``NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN`` overrides the domain as in the real one (a
+warning if it differs). There is no NIC (the real coordinator opens one per GPU,
+``internode_doca.cu:349-365``), no registration (pinning, keys), no queue pair, and nothing
+crosses an RDMA link: the bytes are allocated, the connection's collectives are met, the data
+moves over gloo as on one node. The NIXL build (``USE_NIXL``: a ``torch.distributed.barrier``
+over the group once the buffers are registered, ``internode_nixl.cu:243-244``, and its own
+buffers) is not emulated.
 """
 
 import socket
+import warnings
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import List, Optional, Tuple
@@ -187,6 +276,7 @@ from moe_release.runtime.kernels.emulation_common import (
     group_rank,
     group_size,
     kernel_host_sync,
+    node_layout,
     pinned,
     same_count_on_every_rank,
     sent_token_ids,
@@ -208,6 +298,17 @@ CHUNK_DISPATCH_ENV = "NUM_OF_TOKENS_PER_CHUNK_DISPATCH_API"
 CHUNK_COMBINE_ENV = "NUM_OF_TOKENS_PER_CHUNK_COMBINE_API"
 CHUNK_PREPROCESSING_ENV = "NUM_OF_TOKENS_PER_CHUNK_PREPROCESSING_API"
 RANKS_PER_DOMAIN_ENV = "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"
+# Dispatch / combine blocks (one RDMA queue pair each per remote node) when the caller passes
+# none: 24 on one node, 8 on several (config.cuh:366-367).
+SINGLE_NODE_BLOCKS = 24
+MULTI_NODE_BLOCKS = 8
+# sizeof(dispatch_memory_region_info_t) / sizeof(combine_memory_region_info_t): eight / six
+# __be32 keys, nine / seven uint64_t, aligned to 8 (utils.cuh:43-77).
+DISPATCH_MR_INFO_BYTES = 8 * 4 + 9 * 8
+COMBINE_MR_INFO_BYTES = 6 * 4 + 7 * 8
+# The multi-node token limit: the dispatch queue pairs' send depth 3 x rows + 1 must stay below
+# the IB limit 65536 (config.cuh:18-47, checked by BufferConfig::is_valid, config.cuh:94-95).
+IB_QP_MAX_TX_DEPTH = 65536
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -235,17 +336,25 @@ def hybrid_ep_buffer_terms(
     num_of_ranks: int,
     local_rank: int,
     blocks_preprocessing: Optional[int] = None,
+    *,
+    num_of_nodes: int = 1,
+    blocks_dispatch: Optional[int] = None,
+    blocks_combine: Optional[int] = None,
 ) -> List[BufferTerm]:
-    """Every allocation of one rank's HybridEP buffer for ``rows`` rows per rank, one NVLink
-    domain of ``num_of_ranks`` ranks: the module docstring's ``[hybridep buffer]`` table, row
-    for row. ``local_rank`` 0 also holds the flags its peers map."""
-    r, e_l, h = num_of_ranks, num_local_experts, hidden_dim
-    n = rows * r
+    """Every allocation of one rank's HybridEP buffer for ``rows`` rows per rank, NVLink domains
+    of ``num_of_ranks`` ranks on ``num_of_nodes`` nodes: the module docstring's ``[hybridep
+    buffer]`` table, row for row, then (several nodes) its ``[hybridep buffer, multi-node]``
+    table. ``local_rank`` 0 also holds the flags its peers map. ``blocks_dispatch`` /
+    ``blocks_combine`` are the dispatch / combine blocks, one queue pair per block and remote
+    node (default: 24 on one node, 8 on several, ``config.cuh:366-367``)."""
+    r, m, e_l, h = num_of_ranks, num_of_nodes, num_local_experts, hidden_dim
+    n = rows * r * m
     blocks = blocks_preprocessing or DEFAULT_BLOCKS_PREPROCESSING
     combine_chunks = cdiv(rows, env_int(CHUNK_COMBINE_ENV, 64))
     dispatch_chunks = cdiv(rows, env_int(CHUNK_DISPATCH_ENV, 64))
     nvl, ag = "intranode.cu", "allgather.cu"
     rank0 = local_rank == 0
+    one_node = m == 1  # the custom all-gather's NVLink state: one node only (allgather.cu:149)
     rows_of_table = [
         ("preprocessing scratch (ranks)", blocks * r * TMP_STATE_BYTES, f"{nvl}:180-181,185-187"),
         ("preprocessing scratch (local experts)", blocks * e_l * TMP_STATE_BYTES,
@@ -256,21 +365,65 @@ def hybrid_ep_buffer_terms(
         ("combine expected flag value", 8, f"{nvl}:269"),
         ("combine flag parity", 4, f"{nvl}:271"),
         ("combine expected unpermute flag", 4, f"{nvl}:274"),
-        ("combine chunk flags", combine_chunks * r * 4, f"{nvl}:277-278"),
+        ("combine chunk flags", combine_chunks * r * m * 4, f"{nvl}:277-278"),
         ("dispatch expert_output_scaling_factor", n * (h // 128) * 4, f"{nvl}:201,213"),
         ("dispatch write-completion flags", 8 if rank0 else 0, f"{nvl}:216-218"),
         ("dispatch expected flag value", 8, f"{nvl}:220"),
         ("dispatch flag parity", 4, f"{nvl}:222"),
         ("dispatch expected permute flag", 4, f"{nvl}:226"),
-        ("dispatch chunk flags", dispatch_chunks * r * 4, f"{nvl}:229-230"),
-        ("all-gather routing map", e_l * r * rows * r, f"{ag}:144-147"),
-        ("all-gather NVLink sync flag", 8 if rank0 else 0, f"{ag}:150-154"),
-        ("all-gather SM sync flag", 8, f"{ag}:157"),
-        ("all-gather iteration id", 8, f"{ag}:159"),
-        ("all-gather peer pointers", r * 8, f"{ag}:164"),
+        ("dispatch chunk flags", dispatch_chunks * r * m * 4, f"{nvl}:229-230"),
+        ("all-gather routing map", e_l * r * m * rows * r * m, f"{ag}:144-147"),
+        ("all-gather NVLink sync flag", 8 if rank0 and one_node else 0, f"{ag}:150-154"),
+        ("all-gather SM sync flag", 8 if one_node else 0, f"{ag}:157"),
+        ("all-gather iteration id", 8 if one_node else 0, f"{ag}:159"),
+        ("all-gather peer pointers", r * 8 if one_node else 0, f"{ag}:164"),
         ("allocator probe", 128 * 4, "allocator.cu:62"),
     ]  # fmt: skip
+    if m > 1:
+        rows_of_table += _rdma_rows(
+            rows, h, e_l, r, m, dispatch_chunks, combine_chunks,
+            blocks_dispatch or MULTI_NODE_BLOCKS, blocks_combine or MULTI_NODE_BLOCKS,
+        )  # fmt: skip
     return [BufferTerm(name, nbytes, src) for name, nbytes, src in rows_of_table if nbytes]
+
+
+def _rdma_rows(rows, h, e_l, r, m, dispatch_chunks, combine_chunks, blocks_d, blocks_c):
+    """The multi-node rows (``RDMACoordinator``, ``internode_doca.cu``): its
+    ``allocate_buffers`` allocates the combine buffers, then the dispatch ones (``:332-335``)."""
+    rdma, remote = "doca.cu", m - 1  # internode_doca.cu
+    combine_flags = (combine_chunks * remote + 2 * remote) * 8
+    dispatch_flags = (dispatch_chunks * remote + 2 * remote) * 8
+    qps_c, qps_d = remote * blocks_c, remote * blocks_d
+    return [
+        ("RDMA combine intra_node_red_token", rows * remote * h * 2,
+         f"{rdma}:559-560,573-574"),
+        ("RDMA combine intra_node_red_prob", rows * remote * e_l * r * 4,
+         f"{rdma}:561-562,575-576"),
+        ("RDMA combine inter_node_group_token", rows * remote * h * 2,
+         f"{rdma}:563-564,577-578"),
+        ("RDMA combine inter_node_group_prob", rows * remote * e_l * r * 4,
+         f"{rdma}:565-566,579-580"),
+        ("RDMA combine inter_node_group_flags", combine_flags, f"{rdma}:567-570,581-582"),
+        ("RDMA combine attn_output_flags", combine_flags, f"{rdma}:567-570,585-586"),
+        ("RDMA combine expected_rdma_flag_value", 8, f"{rdma}:591"),
+        ("RDMA combine queue-pair pointers", qps_c * 8, f"{rdma}:608,660"),
+        ("RDMA combine memory-region info", qps_c * COMBINE_MR_INFO_BYTES, f"{rdma}:608,664"),
+        ("RDMA dispatch attn_input_token", rows * h * 2, f"{rdma}:388,409-410"),
+        ("RDMA dispatch attn_input_prob", rows * e_l * r * m * 4, f"{rdma}:389-392,411-412"),
+        ("RDMA dispatch attn_input_sf", rows * (h // 128) * 4,
+         f"{rdma}:393-394,413-414"),
+        ("RDMA dispatch inter_node_group_token", rows * remote * h * 2,
+         f"{rdma}:395-397,415-416"),
+        ("RDMA dispatch inter_node_group_prob", rows * remote * e_l * r * 4,
+         f"{rdma}:398-401,417-418"),
+        ("RDMA dispatch inter_node_group_sf", rows * remote * (h // 128) * 4,
+         f"{rdma}:402-403,419-420"),
+        ("RDMA dispatch inter_node_group_flags", dispatch_flags, f"{rdma}:404-407,421-422"),
+        ("RDMA dispatch attn_input_flags", dispatch_flags, f"{rdma}:404-407,425-426"),
+        ("RDMA dispatch expected_rdma_flag_value", 8, f"{rdma}:431"),
+        ("RDMA dispatch queue-pair pointers", qps_d * 8, f"{rdma}:453,514"),
+        ("RDMA dispatch memory-region info", qps_d * DISPATCH_MR_INFO_BYTES, f"{rdma}:453,518"),
+    ]  # fmt: skip
 
 
 def hybrid_ep_buffer_bytes(
@@ -280,13 +433,30 @@ def hybrid_ep_buffer_bytes(
     num_of_ranks: int,
     local_rank: int,
     blocks_preprocessing: Optional[int] = None,
+    **multi_node,
 ) -> int:
-    """Device bytes of one rank's HybridEP buffer (:func:`hybrid_ep_buffer_terms`). (1024 rows,
-    2 ranks, H=2048, 128 local experts: 11,254,272 bytes on local rank 1, 24 more on 0.)"""
+    """Device bytes of one rank's HybridEP buffer (:func:`hybrid_ep_buffer_terms`, whose
+    keywords ``multi_node`` takes). (1024 rows, 2 ranks, H=2048, 128 local experts: 11,254,272
+    bytes on local rank 1, 24 more on 0.)"""
     terms = hybrid_ep_buffer_terms(
-        rows, hidden_dim, num_local_experts, num_of_ranks, local_rank, blocks_preprocessing
-    )
+        rows, hidden_dim, num_local_experts, num_of_ranks, local_rank, blocks_preprocessing,
+        **multi_node,
+    )  # fmt: skip
     return sum(t.nbytes for t in terms)
+
+
+def _node_major(rows_map: torch.Tensor, nodes: int) -> torch.Tensor:
+    """``[N, R x M]`` (token ``n``'s row in each rank's receive buffer, ranks in group order) as
+    the real ``sparse_to_dense_map``'s ``[N x M, R]``: row ``m x N + n`` holds token ``n``'s rows
+    on the ``R`` ranks of node ``m``."""
+    n, size = rows_map.shape
+    return rows_map.view(n, nodes, size // nodes).transpose(0, 1).reshape(nodes * n, -1)
+
+
+def _rank_major(rows_map: torch.Tensor, nodes: int) -> torch.Tensor:
+    """The inverse of :func:`_node_major`."""
+    n, per_node = rows_map.shape[0] // nodes, rows_map.shape[1]
+    return rows_map.view(nodes, n, per_node).transpose(0, 1).reshape(n, nodes * per_node)
 
 
 @dataclass
@@ -330,7 +500,10 @@ class ExtendedMemoryAllocator:
     rank's test memory handle over the group (a collective: every rank must call it,
     ``allocator.cu:178-211``) and counts the ranks whose handle it can open (fabric) or that
     come from its own host (``is_accessible``, ``allocator.cu:162-176``), itself included. The
-    emulation all-gathers the host names on the buffer device and counts the same way."""
+    emulation all-gathers the host names on the buffer device and counts the ranks of its own
+    host that sit on its emulated node
+    (:func:`moe_release.runtime.kernels.emulation_common.node_layout`, every rank of the group
+    unless ``MOE_RELEASE_RANKS_PER_NODE`` names a node size)."""
 
     def detect_accessible_ranks(self, process_group) -> int:
         """The ranks of ``process_group`` in this rank's NVLink domain (collective)."""
@@ -338,8 +511,12 @@ class ExtendedMemoryAllocator:
         mine = torch.tensor(list(name), dtype=torch.uint8, device=buffer_device()).view(1, -1)
         rows = all_gather_rows(mine, process_group).cpu()
         me = group_rank(process_group)
+        layout = node_layout(process_group, group_size(process_group))
+        per_node = layout.ranks_per_node
         return sum(
-            1 for i in range(rows.shape[0]) if i == me or torch.equal(rows[i], mine[0].cpu())
+            1
+            for i in range(rows.shape[0])
+            if i // per_node == layout.node and (i == me or torch.equal(rows[i], mine[0].cpu()))
         )
 
 
@@ -350,15 +527,43 @@ class _HybridEPRuntime:
     rank's memory then faults. Its destruction is logged as ``hybridep release_buffer`` with its
     context (:func:`moe_release.runtime.measure.faults.note`), so that where the memory goes is
     seen. It owns the emulated memory (``memory``), which goes with it: dropping the Python
-    buffer's ``runtime`` frees it while the Python object lives on, as the real one."""
+    buffer's ``runtime`` frees it while the Python object lives on, as the real one.
 
-    def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
+    On several nodes it also holds the RDMA coordinator's state (``hybrid_ep.cu:62-64``): the
+    queue pairs every ``allocate_buffer`` connects through two all-gathers of their addresses
+    over the whole group (``internode_doca.cu:503,649,789-812``), emulated as rendezvous of
+    ``fabric`` (:class:`moe_release.runtime.measure.faults.Fabric`, bounded), and that
+    ``release_buffer`` deregisters and frees locally (``internode_doca.cu:698-787``: no peer
+    waits), logged as ``hybridep rdma release`` over this rank alone."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], num_of_nodes: int = 1) -> None:
         self.ranks = faults.group_ranks(group)
         self.memory: Optional[torch.Tensor] = None
+        self.num_of_nodes = num_of_nodes
+        # The queue pairs' peers are the constructor's (the exchange below): a fabric per
+        # construction, whatever becomes of the group (faults.Fabric).
+        self.fabric = faults.Fabric(group, "hybridep-rdma") if num_of_nodes > 1 else None
+        self.me = dist.get_rank() if dist.is_initialized() else 0
+
+    def connect_rdma(self) -> None:
+        """``RDMACoordinator::allocate_buffers`` (``internode_doca.cu:332-335``): the combine
+        queue pairs' addresses, then the dispatch ones', all-gathered over the group."""
+        if self.fabric is not None:
+            self.fabric.barrier("hybridep rdma info exchange (combine)")
+            self.fabric.barrier("hybridep rdma info exchange (dispatch)")
+
+    def release_rdma(self) -> None:
+        """``RDMACoordinator::destroy`` (``internode_doca.cu:698-787``): a device synchronize,
+        ``ibv_dereg_mr``, ``cudaFree`` and the queue pairs destroyed, all on this rank."""
+        if self.fabric is not None:
+            faults.note(
+                "hybridep rdma release", (self.me,), peers=list(self.ranks or ()), collective=False
+            )
 
     def __del__(self, _faults=faults) -> None:
         try:
             _faults.note("hybridep release_buffer", self.ranks)
+            self.release_rdma()
         except Exception:  # noqa: BLE001 - the interpreter's finalization may have cleared it
             pass
 
@@ -369,9 +574,12 @@ class HybridEPBuffer:
     :meth:`dispatch_with_permute` returns the 11-item handle of DeepEP 94a9f8f (module
     docstring), last the overflow flag (an int32 tensor, non-zero when ``num_permuted_tokens``
     was too small and rows were dropped). The emulation encodes the routing in the real fields:
-    ``sparse_to_dense_map[n, d]`` is token ``n``'s row in rank ``d``'s receive buffer (-1: not
-    sent); ``local_expert_routing_map`` / ``dense_to_expert_map`` rows are received tokens
-    (source rank, then token order; rows past the received ones unused) and
+    ``sparse_to_dense_map[m * N + n, r]`` is token ``n``'s row in the receive buffer of local
+    rank ``r`` of node ``m`` (-1: not sent; on one node, ``[n, d]`` for rank ``d``);
+    ``rdma_to_attn_map[n, m]`` whether token ``n`` goes to node ``m``, ``attn_to_rdma_map`` the
+    same for the other nodes (own node skipped); ``local_expert_routing_map`` /
+    ``dense_to_expert_map`` rows are received tokens (source rank, then token order; rows past
+    the received ones unused) and
     ``dense_to_expert_map[r, e]`` is the permuted output row of received token ``r`` for local
     expert ``e`` (-1: none, or dropped past the budget); ``dense_chunk_layout`` counts, per
     source rank and 64-token chunk (``NUM_OF_TOKENS_PER_CHUNK_PREPROCESSING_API``), the tokens
@@ -415,24 +623,50 @@ class HybridEPBuffer:
         self.num_blocks_unpermute = num_blocks_unpermute
         # Deprecated and ignored by deep_ep (hybrid_ep_buffer.py:53-55); kept for introspection.
         self.num_of_ranks_per_nvlink_domain = num_of_ranks_per_nvlink_domain
-        # The NVLink domain: the environment's size, else every rank of the group (on CPU ranks
-        # all are "accessible"), hybrid_ep_buffer.py:62-83.
+        # The NVLink domain (hybrid_ep_buffer.py:61-83): the environment's size (a warning if
+        # it differs from the detected one), else the ranks detected accessible, here the
+        # emulated node's (node_layout); the group must fill whole domains.
+        detected = node_layout(group, self.group_size).ranks_per_node
         env = settings.deep_ep_variable(RANKS_PER_DOMAIN_ENV)
-        domain = int(env) if env is not None else self.group_size
-        if domain != self.group_size:
-            raise NotImplementedError(
-                f"The HybridEP emulation is intranode only: {RANKS_PER_DOMAIN_ENV}={domain} splits "
-                f"the group of {self.group_size} ranks into NVLink domains."
+        domain = int(env) if env is not None else detected
+        if domain != detected:
+            warnings.warn(
+                f"[Warning] {RANKS_PER_DOMAIN_ENV}={domain} differs from detected value "
+                f"{detected}. Using environment variable.",
+                stacklevel=2,
             )
+        if domain < 1 or self.group_size % domain:
+            raise AssertionError(
+                f"The number of ranks {self.group_size} should be divisible by the number of "
+                f"ranks per node {domain} at rank={self.rank}."
+            )
+        self.num_of_ranks_per_node = self.num_of_hybrid_ep_ranks_per_nvlink_domain = domain
         self.local_rank = self.rank % domain
+        self.node_rank = self.rank // domain
+        self.num_of_nodes = self.group_size // domain
+        # Dispatch / combine blocks: one RDMA queue pair each per remote node (config.cuh:366-367).
+        default_blocks = SINGLE_NODE_BLOCKS if self.num_of_nodes == 1 else MULTI_NODE_BLOCKS
+        self.num_of_blocks_dispatch_api = num_sms_dispatch_api or default_blocks
+        self.num_of_blocks_combine_api = num_sms_combine_api or default_blocks
         # Rows per rank: the first call's tokens, at least 512, rounded to the combine chunk
         # (config.cuh:385-387); later calls grow them (_grow).
         self.rows = buffer_rows(max_num_of_tokens_per_rank)
+        self._check_capacity(self.rows, RuntimeError, "The buffer config is not valid.")
         # The C++ buffer (hybrid_ep_buffer.py:101-111): code outside reads ``runtime``, and its
         # destructor is where the memory goes (_HybridEPRuntime).
-        self.runtime = _HybridEPRuntime(self.group)
+        self.runtime = _HybridEPRuntime(self.group, self.num_of_nodes)
         self._allocate()
         faults.register_buffer(self)
+
+    def _check_capacity(self, rows: int, error, message: str) -> None:
+        """Several nodes: the dispatch queue pairs' send depth ``3 x rows + 1`` must stay below
+        65536 (``config.cuh:18-47``; the constructor throws, ``config.cuh:393-398``, a larger
+        call fails ``update_template_config``'s assertion, ``hybrid_ep_buffer.py:156``)."""
+        if self.num_of_nodes > 1 and 3 * rows + 1 >= IB_QP_MAX_TX_DEPTH:
+            raise error(
+                f"{message} max_num_of_tokens_per_rank={rows} exceeds the supported maximum "
+                f"number of {(IB_QP_MAX_TX_DEPTH - 2) // 3} tokens in multi-node mode."
+            )
 
     @property
     def memory(self) -> Optional[torch.Tensor]:
@@ -458,13 +692,18 @@ class HybridEPBuffer:
         return SimpleNamespace(buffer_config=_BufferConfig(max_num_of_tokens_per_rank=self.rows))
 
     def _allocate(self) -> None:
+        """``allocate_buffer`` (``hybrid_ep.cu:92-107``): the NVLink buffers, the RDMA ones on
+        several nodes, the all-gather's; one counted tensor of the terms' sum."""
         self.terms = hybrid_ep_buffer_terms(
             self.rows,
             self.hidden_dim,
             self.num_local_experts,
-            self.group_size,
+            self.num_of_ranks_per_node,
             self.local_rank,
             self.num_sms_preprocessing_api,
+            num_of_nodes=self.num_of_nodes,
+            blocks_dispatch=self.num_of_blocks_dispatch_api,
+            blocks_combine=self.num_of_blocks_combine_api,
         )
         self.nbytes = sum(t.nbytes for t in self.terms)
         self.memory = torch.empty(self.nbytes, dtype=torch.uint8, device=buffer_device())
@@ -474,15 +713,19 @@ class HybridEPBuffer:
         # emulation maps nothing. The destructor (hybrid_ep.cu:75-90) is local: a device
         # synchronize and local frees, no peer barrier.
         faults.note("hybridep handle exchange", faults.group_ranks(self.group))
+        # Several nodes: the RDMA queue pairs connect (hybrid_ep.cu:94-97).
+        self.runtime.connect_rdma()
 
     def _grow(self, num_tokens: int) -> None:
         """``update_buffer`` (``hybrid_ep_buffer.py:141-165``, ``hybrid_ep.cu:109-133``): a call
         with more tokens than the rows grows them (:func:`rows_after`); the old buffer is freed
-        before the new one is allocated."""
+        (``release_buffer``, the RDMA state locally) before the new one is allocated."""
         rows = rows_after(self.rows, num_tokens)
         if rows > self.rows:
+            self._check_capacity(rows, AssertionError, "The config is not valid.")
             self.rows = rows
             self.memory = None
+            self.runtime.release_rdma()
             self._allocate()
 
     def _preprocess(
@@ -552,9 +795,14 @@ class HybridEPBuffer:
             tokens_per_expert = pinned(padded, torch.int64)
             num_dispatched = pinned([received], torch.int32)
             kernel_host_sync("hybridep blocking dispatch")
-        rdma_to_attn = torch.zeros((cdiv(num_tokens, 16) * 16, 1), dtype=torch.bool, device=dev)
-        rdma_to_attn[:num_tokens, 0] = to_rank.any(-1)
-        attn_to_rdma = torch.zeros((num_tokens, 0), dtype=torch.bool, device=dev)
+        # Per node: whether each token goes to any rank of node m (rdma_to_attn_map, [.., M]),
+        # and to any rank of each other node, own node skipped (attn_to_rdma_map, [N, M-1]).
+        nodes, per_node = self.num_of_nodes, self.num_of_ranks_per_node
+        to_node = to_rank.view(num_tokens, nodes, per_node).any(-1)
+        rdma_to_attn = torch.zeros((cdiv(num_tokens, 16) * 16, nodes), dtype=torch.bool, device=dev)
+        rdma_to_attn[:num_tokens] = to_node
+        others = [m for m in range(nodes) if m != self.node_rank]
+        attn_to_rdma = to_node[:, others].contiguous()
         local_expert_routing_map = torch.zeros(
             (num_tokens * size, local), dtype=torch.bool, device=dev
         )
@@ -567,8 +815,8 @@ class HybridEPBuffer:
         config = HybridEPConfig(
             hidden_dim=self.hidden_dim,
             num_of_experts_per_rank=local,
-            num_of_ranks_per_node=size,
-            num_of_nodes=1,
+            num_of_ranks_per_node=per_node,
+            num_of_nodes=nodes,
             rank=rank,
             pad_multiple=pad_multiple,
             num_of_tokens_per_chunk_preprocessing_api=chunk,
@@ -579,7 +827,7 @@ class HybridEPBuffer:
             rows_used=min(needed, rows),
         )
         handle = (
-            sparse_to_dense,
+            _node_major(sparse_to_dense, nodes),
             rdma_to_attn,
             attn_to_rdma,
             num_dispatched,
@@ -605,7 +853,7 @@ class HybridEPBuffer:
         config = handle[9]
         if not isinstance(config, HybridEPConfig):
             raise TypeError("handle[9] is not the config this emulation's dispatch returned")
-        return handle[0], handle[6], handle[8], config
+        return _rank_major(handle[0], config.num_of_nodes), handle[6], handle[8], config
 
     @staticmethod
     def _row_id_map(dense_to_expert: torch.Tensor, rows: int) -> torch.Tensor:
@@ -695,7 +943,8 @@ class HybridEPBuffer:
             raise ValueError(
                 f"num_permuted_tokens={rows} is below the {config.rows_used} rows the routing fills"
             )
-        size, local = config.num_of_ranks_per_node, config.num_of_experts_per_rank
+        size = config.num_of_ranks_per_node * config.num_of_nodes
+        local = config.num_of_experts_per_rank
         send_token_ids, sends = sent_token_ids(sparse_to_dense)
         recvs = config.recv_counts
         row_id_map = self._row_id_map(dense_to_expert, rows)
@@ -742,7 +991,8 @@ class HybridEPBuffer:
             raise ValueError(
                 f"hidden has {hidden.shape[0]} rows but dispatch filled {config.rows_used}."
             )
-        size, local = config.num_of_ranks_per_node, config.num_of_experts_per_rank
+        size = config.num_of_ranks_per_node * config.num_of_nodes
+        local = config.num_of_experts_per_rank
         send_token_ids, sends = sent_token_ids(sparse_to_dense)
         recvs = config.recv_counts
         m = config.num_dispatched
