@@ -197,6 +197,11 @@ def _warnings(output: str, records) -> List[str]:
 # -- the pass rule ---------------------------------------------------------------------------
 
 
+# HybridEP's destructor, local on every rank: its NVLink buffer and, across nodes, its RDMA
+# coordinator's deregistration and frees (deep_ep 94a9f8f internode_doca.cu:698-787).
+HYBRIDEP_LOCAL = ("hybridep release_buffer", "hybridep rdma release")
+
+
 def banned(entry: Dict[str, Any]) -> Optional[str]:
     """Why a collective entry breaks the pass rule, or None. A free (``faults.FREES``) runs only
     inside the explicit release; HybridEP's destructor also at the process's exit (local: the
@@ -205,10 +210,10 @@ def banned(entry: Dict[str, Any]) -> Optional[str]:
     from moe_release.runtime.measure.faults import BANNED_CONTEXTS, CONSTRUCTIONS, FREES, LIFECYCLE
 
     ctx = entry.get("context") or []
-    if entry["op"] in FREES and entry["op"] != "ncclep ep_finalize":
+    if entry["op"] in (*FREES, *HYBRIDEP_LOCAL) and entry["op"] != "ncclep ep_finalize":
         if "release" in ctx:
             return None
-        if entry["op"] == "hybridep release_buffer":
+        if entry["op"] in HYBRIDEP_LOCAL:
             return None if "exit" in ctx else "freed outside the explicit release"
     hit = [c for c in ctx if c in BANNED_CONTEXTS]
     if hit:
