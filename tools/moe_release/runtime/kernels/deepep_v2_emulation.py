@@ -138,6 +138,44 @@ prints DeepEP's warning to stdout and frees nothing (the emulation keeps the byt
 (:func:`moe_release.runtime.cuda.compat.teardown_megatron_state`) calls :func:`release_for_exit`: a
 process exit frees device memory without a collective.
 
+**Across nodes** (``nccl.cu:51-152``, ``buffer.hpp:529-629``). The NVLink domain is NCCL's LSA
+team (``dev_comm.lsaSize``); here it is the emulated node of
+:func:`moe_release.runtime.kernels.emulation_common.node_layout` (``MOE_RELEASE_RANKS_PER_NODE``;
+unset, one node capped at :data:`NVL_RANKS_PER_NODE` = 8, an H100 node). A group spanning ``So``
+nodes of ``Su`` ranks has ``num_rdma_ranks = So``, ``num_nvlink_ranks = Su``; with
+``allow_hybrid_mode`` (DeepEP's default, and megatron dev's: ``get_elastic_buffer`` passes no
+``allow_hybrid_mode``, fused_a2a.py:90-117 at d48bd6b) the logical domains are ``So`` scale-out x
+``Su`` scale-up ranks (``scaleout_rank_idx = rank // Su``), without it one scale-out rank of
+``R`` scale-up ranks over RDMA (``is_scaleup_nvlink`` false). The window is then sized by the
+hybrid layout (``get_buffer_size_hint``, ``buffer.hpp:529-593``; ``C = kNumMaxChannels = 8 x
+160``): dispatch ``Su·So·N·Bd + N·Bd + So·(N + C)·Bd``, combine ``Lu·So·N·Bc + Lo·N·Bc +
+So·(N + C)·Bc`` with ``Lu = min(Su, K)``, ``Lo = min(So, K)`` (``K`` each without multiple
+reduction, and the scale-out send ``K·So·(N + C)·Bc``); without hybrid mode across nodes the
+direct layout adds its send buffers, ``N·Bd`` and ``R·N·Bc`` (``K·R·N·Bc`` without multiple
+reduction). The window is registered with ``ncclCommWindowRegister`` on the communicator (every
+rank of the group: NCCL's bootstrap barrier, ``nccl.cu:122-125``) and deregistered by
+``destroy()``'s ``nccl_context->finalize()`` after its GPU barrier (``nccl.cu:145-152``); across
+nodes the emulation rendezvouses both over the group's ranks (``deepepv2 window register`` /
+``deepepv2 window deregister``, bounded like the destroy barrier: a peer that never arrives
+raises "a GPU would trap" where the real bootstrap barrier would hang). The hybrid combine
+reduces each token's copies per node on that node's forwarder into bf16 (the scale-out send
+buffer), then the nodes' partials in float32 with one rounding (``hybrid_combine.cuh``): the
+emulation rounds the same way, so a token whose copies sit on two ranks of one node and on
+another node can differ from the one-node sum (with top-k <= 2 it cannot). ``deterministic`` is
+refused in the hybrid layout (``buffer.hpp:822``).
+
+Scale-down, and what is not emulated across nodes: a real node has 8 GPUs (or 72 in an NVL72
+domain) and the scale-out hop runs over NCCL GIN (RDMA, one QP set per rail); here a node is
+``MOE_RELEASE_RANKS_PER_NODE`` CPU ranks and every hop is a gloo collective. The hybrid handle's
+channel metadata (``dst_buffer_slot_idx [C_h, So, ceil(N / C_h), K]``,
+``token_metadata_at_forward``, ``channel_linked_list``, ``buffer.hpp:819-888``) is sized by the
+channel count the device's shared memory and SM count give (``buffer.hpp:760-780``), which the
+emulation does not model: the handle keeps the direct layout's fields and shapes, and
+``psum_num_recv_tokens_per_scaleup_rank`` keeps ``[R]`` (the real one has ``[Su]``). The
+received rows keep the direct layout's order (sources ascending), one the hybrid kernels' channel
+order need not give. ``ncclDevCommCreate``/``ncclDevCommDestroy`` and the one-node window's
+registration (folded into the constructor's barrier, as before) are not logged.
+
 **The communicator** (``deep_ep/utils/comm.py:10-71``): the buffer is built on the NCCL
 communicator ``get_nccl_comm_handle(group)`` gives, which is one DeepEP creates for the group
 (``managed``, destroyed with its last handle) unless ``EP_REUSE_NCCL_COMM=1`` and the group's
@@ -150,7 +188,7 @@ communicator freed with its group.
 
 import os
 import weakref
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -166,6 +204,7 @@ from moe_release.runtime.kernels.emulation_common import (
     group_size,
     host_all_gather_ints,
     kernel_host_sync,
+    node_layout,
 )
 from moe_release.runtime.measure import faults
 
@@ -181,6 +220,14 @@ WORKSPACE_BYTES = 12_820_544
 
 # SMs of the device the placement rules describe (an H100), for ``get_theoretical_num_sms``.
 DEVICE_SMS = 132
+
+# GPUs of one NVLink domain (NCCL's LSA team) on the node the placement rules describe: an
+# 8-GPU H100 node. ``emulation_common.node_layout`` caps the emulated node at it.
+NVL_RANKS_PER_NODE = 8
+
+# ``ElasticBuffer::kNumMaxChannels`` (buffer.hpp:56-58): 8 channels per SM x 160 SMs, the slack
+# of the hybrid layout's scale-out buffers (buffer.hpp:552, 588).
+MAX_CHANNELS = 8 * 160
 
 # ElasticBuffers built with explicitly_destroy and dropped without destroy(): DeepEP leaks
 # them, so their bytes stay allocated here too.
@@ -222,20 +269,68 @@ def buffer_size_hint(
     use_fp8_dispatch: bool = False,
     allow_multiple_reduction: bool = True,
     elem: Optional[int] = None,
+    num_scaleout_ranks: int = 1,
+    is_scaleup_nvlink: bool = True,
 ) -> int:
-    """``ElasticBuffer::calculate_buffer_size`` for one NVLink domain (``buffer.hpp:595-629``).
-    ``elem`` overrides the token element size (a dispatch checks the buffer with
-    ``x.element_size()``, ``buffer.hpp:898-902``)."""
+    """``ElasticBuffer::calculate_buffer_size`` (``buffer.hpp:595-629``): the larger of the
+    dispatch (``buffer.hpp:529-556``) and combine (``buffer.hpp:558-593``) layouts for
+    ``num_scaleout_ranks`` scale-out ranks of ``num_ranks / num_scaleout_ranks`` scale-up ranks
+    each (1: the direct layout; ``is_scaleup_nvlink`` False: a scale-up domain wider than the
+    NVLink domain, ``allow_hybrid_mode=False`` across nodes, which adds send buffers). ``elem``
+    overrides the token element size (a dispatch checks the buffer with ``x.element_size()``,
+    ``buffer.hpp:898-902``)."""
     _refuse(num_max_tokens_per_rank > 0 and hidden > 0, "buffer.hpp:600", "N > 0 and H > 0")
     _refuse(-(-hidden // 32) * 4 <= hidden, "buffer.hpp:603", "ceil_div(H, 32) * 4 <= H")
     k = 32 if num_topk == 0 else num_topk
     elem = elem or (1 if use_fp8_dispatch else 2)
     _refuse(hidden * elem % 32 == 0, "layout.cuh:199", "num_hidden_bytes % 32 == 0")
-    n = num_max_tokens_per_rank
-    dispatch = num_ranks * n * dispatch_token_bytes(hidden, k, elem, use_fp8_dispatch)
-    reductions = min(num_ranks, k) if allow_multiple_reduction else k
-    combine = reductions * n * combine_token_bytes(hidden, k)
+    n, so = num_max_tokens_per_rank, num_scaleout_ranks
+    su = num_ranks // so
+    bd = dispatch_token_bytes(hidden, k, elem, use_fp8_dispatch)
+    bc = combine_token_bytes(hidden, k)
+    amr = allow_multiple_reduction
+    if so == 1:
+        dispatch = (0 if is_scaleup_nvlink else 1) * n * bd + num_ranks * n * bd
+        reductions = min(num_ranks, k) if amr else k
+        send = (0 if is_scaleup_nvlink else num_ranks) * n * (1 if amr else k) * bc
+        combine = send + reductions * n * bc
+    else:
+        # Scale-up receive (Su x So*N), scale-out send (1 x N), scale-out receive (So x (N +
+        # kNumMaxChannels)); combine: scale-up receive, scale-out receive, scale-out send.
+        dispatch = su * so * n * bd + n * bd + so * (n + MAX_CHANNELS) * bd
+        up = min(su, k) if amr else k
+        out = min(so, k) if amr else k
+        combine = up * so * n * bc + out * n * bc + (1 if amr else k) * so * (n + MAX_CHANNELS) * bc
     return max(dispatch, combine)
+
+
+class DomainLayout(NamedTuple):
+    """``NCCLSymmetricMemoryContext``'s domains (``nccl.cu:51-62, 105-119``): the physical
+    (RDMA x NVLink ranks, the NVLink domain being NCCL's LSA team) and the logical (scale-out x
+    scale-up ranks) sizes, this rank's indices, and whether scale-up is NVLink."""
+
+    num_rdma_ranks: int
+    num_nvl_ranks: int
+    num_scaleout_ranks: int
+    num_scaleup_ranks: int
+    scaleout_rank_idx: int
+    scaleup_rank_idx: int
+    is_scaleup_nvlink: bool
+
+
+def domain_layout(group, allow_hybrid_mode: bool) -> DomainLayout:
+    """The group's domains, its NVLink domain (LSA team) the emulated node
+    (:func:`moe_release.runtime.kernels.emulation_common.node_layout`)."""
+    nodes = node_layout(group, NVL_RANKS_PER_NODE)
+    size, rank = group_size(group), group_rank(group)
+    if allow_hybrid_mode:
+        so, su = nodes.nodes, nodes.ranks_per_node
+    else:
+        so, su = 1, size
+    return DomainLayout(
+        nodes.nodes, nodes.ranks_per_node, so, su, rank // su, rank % su,
+        su == nodes.ranks_per_node,
+    )  # fmt: skip
 
 
 class EPHandle:
@@ -307,9 +402,17 @@ class _ElasticRuntime:
     """Stand-in for ``deep_ep._C.ElasticBuffer``: owns the window and the host workspace."""
 
     def __init__(
-        self, group, num_bytes: int, explicitly_destroy: bool, comm: NCCLCommHandle
+        self,
+        group,
+        num_bytes: int,
+        explicitly_destroy: bool,
+        comm: NCCLCommHandle,
+        multi_node: bool = False,
     ) -> None:
         _refuse(num_bytes % 16 == 0, "nccl.cu:135-137", "window size % 16 == 0")
+        # Across NVLink domains the window's registration and deregistration are rendezvous of
+        # every rank of the communicator (the group's): see the module docstring.
+        self.multi_node = multi_node
         self.group = group
         self.comm = comm
         # The peers destroy()'s GPU barrier waits for (buffer.hpp:141, barrier(true, true)): over
@@ -323,6 +426,15 @@ class _ElasticRuntime:
         )
         pin = torch.cuda.is_available() or _placement_active()
         self.host_workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=pin)
+        if multi_node:
+            # ncclCommWindowRegister (nccl.cu:122-125): collective over the communicator's ranks
+            # (NCCL's bootstrap barrier); a peer that never registers holds the others there.
+            try:
+                self.fabric.barrier("deepepv2 window register")
+            except faults.DeviceBarrierTimeout:
+                self.window = self.host_workspace = None
+                self.destroyed = True
+                raise
         _RUNTIMES.add(self)
 
     def destroy(self) -> None:
@@ -337,6 +449,10 @@ class _ElasticRuntime:
         )
         if not self.exiting:
             self.fabric.barrier("deepepv2 destroy barrier")
+            if self.multi_node:
+                # nccl_context->finalize() (buffer.hpp:147, nccl.cu:145-152): the window's
+                # ncclCommWindowDeregister, over the communicator's ranks as its registration.
+                self.fabric.barrier("deepepv2 window deregister")
         self.window = None
         self.host_workspace = None
         self.destroyed = True
@@ -405,6 +521,8 @@ class ElasticBuffer:
         self.allow_hybrid_mode = allow_hybrid_mode
         self.allow_multiple_reduction = allow_multiple_reduction
         self.prefer_overlap_with_compute = prefer_overlap_with_compute
+        self.deterministic = deterministic
+        self.domains = domain_layout(group, allow_hybrid_mode)
         if num_bytes is None:
             num_bytes = buffer_size_hint(
                 self.num_ranks,
@@ -413,6 +531,8 @@ class ElasticBuffer:
                 num_topk,
                 use_fp8_dispatch,
                 allow_multiple_reduction,
+                num_scaleout_ranks=self.domains.num_scaleout_ranks,
+                is_scaleup_nvlink=self.domains.is_scaleup_nvlink,
             )
         self.num_bytes = num_bytes
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
@@ -421,12 +541,15 @@ class ElasticBuffer:
         self.num_allocated_qps = num_allocated_qps
         self.explicitly_destroy = explicitly_destroy
         self.nccl_comm_handle = get_nccl_comm_handle(group)
-        self.runtime = _ElasticRuntime(group, num_bytes, explicitly_destroy, self.nccl_comm_handle)
+        d = self.domains
+        self.runtime = _ElasticRuntime(
+            group, num_bytes, explicitly_destroy, self.nccl_comm_handle, d.num_rdma_ranks > 1
+        )
         faults.register_buffer(self)
-        # One NVLink domain: one scale-out rank, every rank a scale-up rank (nccl.cu:51-62).
-        self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
-        self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank_idx
-        self.num_rdma_ranks, self.num_nvlink_ranks = 1, self.num_ranks
+        # The domains (nccl.cu:51-62, 105-119; elastic.py:207-213).
+        self.num_scaleout_ranks, self.num_scaleup_ranks = d.num_scaleout_ranks, d.num_scaleup_ranks
+        self.scaleout_rank_idx, self.scaleup_rank_idx = d.scaleout_rank_idx, d.scaleup_rank_idx
+        self.num_rdma_ranks, self.num_nvlink_ranks = d.num_rdma_ranks, d.num_nvl_ranks
         # The constructor ends with a barrier on the group (elastic.py:225-227).
         if group is not None and dist.is_initialized():
             dist.barrier(group=group)
@@ -450,6 +573,7 @@ class ElasticBuffer:
         allow_multiple_reduction: bool = True,
     ) -> int:
         """The recommended buffer size in bytes (``elastic.py:240-264``)."""
+        d = domain_layout(group, allow_hybrid_mode)
         return buffer_size_hint(
             group_size(group),
             num_max_tokens_per_rank,
@@ -457,6 +581,8 @@ class ElasticBuffer:
             num_topk,
             use_fp8_dispatch,
             allow_multiple_reduction,
+            num_scaleout_ranks=d.num_scaleout_ranks,
+            is_scaleup_nvlink=d.is_scaleup_nvlink,
         )
 
     @staticmethod
@@ -537,8 +663,17 @@ class ElasticBuffer:
             tokens <= n, "buffer.hpp:684", f"num_tokens {tokens} <= num_max_tokens_per_rank {n}"
         )
         _refuse(num_experts % size == 0, "buffer.hpp:733", "num_experts % num_ranks == 0")
-        need = buffer_size_hint(size, n, hidden, num_topk, elem=x.element_size())
+        d = self.domains
+        need = buffer_size_hint(
+            size, n, hidden, num_topk, elem=x.element_size(),
+            num_scaleout_ranks=d.num_scaleout_ranks, is_scaleup_nvlink=d.is_scaleup_nvlink,
+        )  # fmt: skip
         _refuse(need <= self.num_bytes, "buffer.hpp:899-902", f"buffer {self.num_bytes} >= {need}")
+        _refuse(
+            d.num_scaleout_ranks == 1 or not self.deterministic,
+            "buffer.hpp:822",
+            "not deterministic (the hybrid layout has no deterministic mode)",
+        )
         if handle is not None:
             recv_x, recv_idx = self._send(
                 x, handle.topk_idx, None, handle.dst_buffer_slot_idx, handle.send_counts,
@@ -669,10 +804,7 @@ class ElasticBuffer:
         )
         tokens = handle.topk_idx.shape[0]
         back = all_to_all(x, recvs, sends, self.group)
-        acc = torch.zeros((tokens, hidden), dtype=torch.float32, device=x.device)
-        if back.shape[0]:
-            acc.index_add_(0, token_ids, back.float())
-        combined = acc.to(x.dtype)
+        combined = self._reduce(back, token_ids, dest, tokens, hidden, x.dtype)
         combined_weights = None
         if topk_weights is not None:
             # Column k of a token comes from the rank owning its expert k (0 for -1 slots).
@@ -685,6 +817,25 @@ class ElasticBuffer:
             combined_weights = torch.zeros((tokens, k), dtype=torch.float32, device=x.device)
             combined_weights[token_ids[rows], cols] = back_w[rows, cols]
         return combined, combined_weights, self._event(async_with_compute_stream)
+
+    def _reduce(self, back, token_ids, dest, tokens: int, hidden: int, dtype) -> torch.Tensor:
+        """Each token's copies summed: in float32 with one rounding in the direct layout; in
+        the hybrid one, first over the ranks of each scale-out rank (node) on that node's
+        forwarder, rounded to bf16 into the scale-out send buffer (``hybrid_combine.cuh:
+        66-74, 491-519``), then the nodes' partials in float32 with one more rounding."""
+        su = self.num_scaleup_ranks
+        acc = torch.zeros((tokens, hidden), dtype=torch.float32, device=back.device)
+        if self.num_scaleout_ranks == 1:
+            if back.shape[0]:
+                acc.index_add_(0, token_ids, back.float())
+            return acc.to(dtype)
+        for node in range(self.num_scaleout_ranks):
+            mine = torch.nonzero(dest // su == node).flatten()
+            part = torch.zeros((tokens, hidden), dtype=torch.float32, device=back.device)
+            if mine.shape[0]:
+                part.index_add_(0, token_ids[mine], back[mine].float())
+            acc += part.to(torch.bfloat16).float()
+        return acc.to(dtype)
 
     @staticmethod
     def _event(async_with_compute_stream: bool) -> EventOverlap:
