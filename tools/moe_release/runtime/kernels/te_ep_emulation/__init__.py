@@ -117,6 +117,38 @@ group (:func:`handle_mem_size`, ``nccl_ep.cc:2397-2471``); ``symm_mem_alloc`` al
 through the counted allocator and, with ``use_pool=False``, rendezvouses on the group (a
 barrier), as torch's symmetric memory does; the tensors it returns are what
 :func:`is_symm_backed` answers True for (a view included).
+
+**Across LSA teams** (nccl_ep.cc at 9f47d6eb, read from the NVIDIA/nccl-extensions mirror). NCCL
+EP's node is the LSA team (``ncclTeamLsa``, the NVLink domain) and the teams are the rail team
+(``ncclTeamRail``, nccl_ep.cc:1652-1653, 1864-1882); here the LSA team is the emulated node of
+:func:`moe_release.runtime.kernels.emulation_common.node_layout` (``MOE_RELEASE_RANKS_PER_NODE``;
+unset, one team capped at :data:`LSA_RANKS_PER_NODE` = 8, an H100 node). With ``D = R / L > 1``
+teams of ``L`` ranks the bootstrap's group also takes ``init_ht_internode``'s path: one GIN
+buffer of :func:`gin_buffer_terms` (nccl_ep.cc:1300-1358: the combine RED/G2S token and
+probability regions for ``D - 1`` peer teams at the 64-token-chunk-aligned ``M'``, the G2S flags,
+the sync guards, the token staging, the dense probabilities and the RDMA send/receive staging,
+each rounded up to 4096), allocated with the rest of the context and registered with
+``ncclCommWindowRegister`` on the EP communicator (every rank of the EP group, after
+``ncclDevCommCreate``, nccl_ep.cc:1467-1510): a rendezvous over the group's ranks here, logged as
+``ncclep gin window register``. ``ep_finalize`` (``ncclEpGroupDestroy``) deregisters it on the
+same communicator (``destroy_ht_internode``, nccl_ep.cc:1514-1564, 2063-2066): ``ncclep gin window
+deregister``, over the same ranks, after ``ncclep ep_finalize``; a peer that never arrives at
+either makes the others raise "a GPU would trap" within ``settings.device_barrier_timeout()``
+(the real bootstrap barrier would hang), and at finalize the group's memory stays allocated in
+:data:`LEAKED`. The context's other terms follow the team size (:func:`context_bytes`:
+probabilities over the team's ``E_l x L`` experts, the ``40 x L`` host block, the routing map's
+per-team blocks), and nothing leaks: the device communicator is destroyed there.
+
+Scale-down and gaps: a real LSA team is 8 GPUs of a node (72 in an NVL72 domain) and the cross-team
+hop is GIN RDMA over the rails; here ranks of gloo. Not emulated across teams: the data path (the
+dispatch and combine stay the one-team collectives above; the RDMA kernels' staging order and any
+per-team partial reduction of combine are not modelled, so the combine's roundings are the
+one-team ones), the handle memory's multi-team terms (:func:`handle_mem_terms` keeps the one-team
+``HtBlockLayout``), ``NCCL_EP_TOKENS_PER_CHUNK`` (the 64-token default is used), the
+``d_dcomms`` copy (``sizeof(ncclDevComm_t)``, not in the source), NCCL's cuMem granule rounding,
+and the one-team windows' collective (de)registration (the mega buffer and completion flags,
+nccl_ep.cc:1135-1149, 1199-1210), which stays folded into ``ncclep ep_bootstrap`` /
+``ncclep ep_finalize`` as before.
 """
 
 import builtins
@@ -131,10 +163,12 @@ from moe_release.runtime.kernels.te_ep_emulation.sizes import (
     DEVICE_SMS,
     HANDLE_CACHE,
     LEAKED_PER_GROUP_BYTES,
+    LSA_RANKS_PER_NODE,
     NCCL_EP_COMMIT,
     TE_COMMITS,
     WORKSPACE_BYTES,
     context_bytes,
+    gin_buffer_terms,
     handle_mem_size,
     handle_mem_terms,
 )
@@ -146,12 +180,14 @@ __all__ = [
     "HANDLE_CACHE",
     "LEAKED",
     "LEAKED_PER_GROUP_BYTES",
+    "LSA_RANKS_PER_NODE",
     "NCCL_EP_COMMIT",
     "TE_COMMITS",
     "WORKSPACE_BYTES",
     "api_for_tree",
     "build",
     "context_bytes",
+    "gin_buffer_terms",
     "handle_mem_size",
     "handle_mem_terms",
     "install",

@@ -124,7 +124,7 @@ def _add_bootstrap(m: _Module, head: bool, rel: bool) -> None:
         # group's ranks, logged (moe_release.runtime.measure.faults), not run.
         faults.note("ncclep ep_finalize", getattr(m, "_EP_RANKS", None))
         try:
-            BACKEND.shutdown()
+            BACKEND.finalize()
         finally:
             m._BOOTSTRAPPED, m._EP_GROUP = False, None
             if head:

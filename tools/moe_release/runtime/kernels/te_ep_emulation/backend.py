@@ -23,9 +23,11 @@ from moe_release.runtime.kernels.emulation_common import (
     group_rank,
     group_size,
     host_all_gather_ints,
+    node_layout,
 )
 from moe_release.runtime.kernels.te_ep_emulation.sizes import (
     HANDLE_CACHE,
+    LSA_RANKS_PER_NODE,
     TE_COMMITS,
     context_bytes,
     handle_mem_size,
@@ -188,6 +190,10 @@ class _Backend:
     eager: bool = False
     num_topk: int = 0
     memory: Optional[tuple] = None  # the group's device and pinned host allocations
+    gin: Optional[torch.Tensor] = None  # the GIN buffer, across LSA teams only
+    fabric: Optional[object] = None  # the GIN window's peers, across LSA teams only
+    lsa: int = 0  # ranks of the LSA team (the emulated node)
+    teams: int = 1  # LSA teams of the group (the rail team's size)
     cached: Optional[tuple] = None  # the process-wide (top_k, alignment) of the first prepare
     # The prepared handles by handle_mem address, as TE's LRU cache keys them (ep_backend.cpp).
     handles: collections.OrderedDict[int, _Routing] = field(default_factory=collections.OrderedDict)
@@ -217,23 +223,53 @@ class _Backend:
         budgets = host_all_gather_ints([max_recv], group)
         if len({b for (b,) in budgets}) != 1:
             raise RuntimeError(f"NCCL EP: the recv budget differs across ranks: {budgets}")
-        sizes = context_bytes(size, num_experts, max_tokens, max_recv, hidden, zero_copy)
+        # The LSA team (NVLink domain) is the emulated node; the rail team its count.
+        nodes = node_layout(group, LSA_RANKS_PER_NODE)
+        lsa = nodes.ranks_per_node
+        sizes = context_bytes(size, num_experts, max_tokens, max_recv, hidden, zero_copy,
+                              lsa_ranks=lsa)  # fmt: skip
         pin = placement.active() or torch.cuda.is_available()
         memory = (
             torch.empty(sizes["device"], dtype=torch.uint8, device=_device()),
             torch.empty(sizes["pinned"], dtype=torch.uint8, pin_memory=pin),
         )
-        LEAKED.append(torch.empty(sizes["leaked"], dtype=torch.uint8, device=_device()))
+        fabric = gin = None
+        if nodes.nodes > 1:
+            # init_ht_internode (nccl_ep.cc:1300-1510): the GIN buffer, then ncclDevCommCreate
+            # and ncclCommWindowRegister on the EP communicator, collective over its ranks.
+            from moe_release.runtime.measure import faults
+
+            gin = torch.empty(sizes["gin"], dtype=torch.uint8, device=_device())
+            fabric = faults.Fabric(group, "ncclep")
+            fabric.barrier("ncclep gin window register")
+        if sizes["leaked"]:
+            LEAKED.append(torch.empty(sizes["leaked"], dtype=torch.uint8, device=_device()))
         self.__dict__.update(
-            memory=memory,
+            memory=memory, gin=gin, fabric=fabric, lsa=lsa, teams=nodes.nodes,
             initialized=True, group=group, num_experts=num_experts, max_tokens=max_tokens,
             max_recv=max_recv, hidden=hidden, zero_copy=zero_copy, drop=drop, eager=eager,
             num_topk=num_topk, cached=None, handles=collections.OrderedDict(),
         )  # fmt: skip
 
+    def finalize(self) -> None:
+        """``ncclEpGroupDestroy``'s collective part across LSA teams: ``destroy_ht_internode``
+        deregisters the GIN window on the EP communicator (nccl_ep.cc:2063-2066, 1536-1540),
+        every rank of it; a peer that never arrives raises (the real one would hang) and the
+        group's memory stays allocated (:data:`LEAKED`). Then :meth:`shutdown`."""
+        fabric = self.fabric if self.initialized else None
+        if fabric is not None:
+            try:
+                fabric.barrier("ncclep gin window deregister")
+            except Exception:
+                LEAKED.extend(t for t in (*(self.memory or ()), self.gin) if t is not None)
+                self.shutdown()
+                raise
+        self.shutdown()
+
     def shutdown(self) -> None:
         if self.initialized:
             self.__dict__.update(initialized=False, group=None, cached=None, memory=None,
+                                 gin=None, fabric=None,
                                  handles=collections.OrderedDict())  # fmt: skip
 
     def handle_mem_size(self, top_k: int) -> int:

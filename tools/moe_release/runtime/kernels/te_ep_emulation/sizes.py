@@ -5,7 +5,7 @@ worked from nccl-extensions' source (the package docstring cites each term)."""
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 # The TE commits of the three APIs (module docstring).
 TE_COMMITS = {
@@ -79,6 +79,55 @@ COUNTER_BLOCK_BYTES = 32
 LEAKED_PER_GROUP_BYTES = 2 * 1024 * 1024
 
 
+# GPUs of one LSA team (NVLink domain) on the node the placement rules describe: an 8-GPU H100
+# node; ``emulation_common.node_layout`` caps the emulated node at it.
+LSA_RANKS_PER_NODE = 8
+# The cross-LSA-team chunk (``HT_TOKENS_PER_CHUNK_RDMA_DEFAULT``, nccl_ep include/common.hpp:32,
+# chosen when the rail team has more than one rank, nccl_ep.cc:1929-1946) and the GIN buffer's
+# region alignment (``GIN_ALIGNMENT``, nccl_ep.cc:1306).
+HT_TOKENS_PER_CHUNK_RDMA = 64
+GIN_ALIGNMENT = 4096
+
+
+def _a4096(n: int) -> int:
+    return (n + GIN_ALIGNMENT - 1) // GIN_ALIGNMENT * GIN_ALIGNMENT
+
+
+def gin_buffer_terms(
+    num_ranks: int,
+    lsa_ranks: int,
+    num_experts: int,
+    max_tokens: int,
+    hidden: int,
+    token_bytes: int = 2,
+) -> List[tuple]:
+    """``(name, bytes)`` of the GIN buffer ``init_ht_internode`` allocates with one
+    ``ncclMemAlloc`` when the rail team has ``D = R / L > 1`` ranks (nccl_ep.cc:1300-1358), in
+    its order; each region rounded up to 4096. ``M'`` is ``max_tokens`` rounded up to the 64-token
+    chunk (``ht_aligned_max_tokens``, nccl_ep.cc:1945), ``B`` the token bytes, ``P = E_l x L x 4``
+    the bytes of one token's probabilities over the LSA team's experts."""
+    d, m, b = num_ranks // lsa_ranks, max_tokens, hidden * token_bytes
+    local = num_experts // num_ranks
+    chunk = HT_TOKENS_PER_CHUNK_RDMA
+    ht_m = -(-m // chunk) * chunk
+    p = local * lsa_ranks * 4
+    chunks = -(-ht_m // chunk)
+    return [
+        ("combine_gin_RED_tokens", _a4096(ht_m * (d - 1) * b)),
+        ("combine_gin_G2S_tokens", _a4096(ht_m * (d - 1) * b)),
+        ("combine_gin_RED_prob", _a4096(ht_m * (d - 1) * p)),
+        ("combine_gin_G2S_prob", _a4096(ht_m * (d - 1) * p)),
+        ("dispatch_gin_G2S_flags", _a4096((d - 1) * chunks * 8)),
+        ("combine_gin_G2S_flags", _a4096((d - 1) * chunks * 8)),
+        ("dispatch guard", _a4096(d * 8)),
+        ("combine guard", _a4096(d * 8)),
+        ("token_staging", _a4096(m * b)),
+        ("dense_prob", _a4096(m * num_experts * 4)),
+        ("rdma_send_staging", _a4096((d - 1) * m * (b + p))),
+        ("rdma_recv_packed", _a4096((d - 1) * m * (b + p))),
+    ]
+
+
 def context_bytes(
     num_ranks: int,
     num_experts: int,
@@ -87,6 +136,7 @@ def context_bytes(
     hidden: int,
     zero_copy: bool = False,
     token_bytes: int = 2,
+    lsa_ranks: Optional[int] = None,
 ) -> Dict[str, int]:
     """What ``ncclEpCreateGroup`` allocates for TE's configuration (HT, one NVLink domain,
     expert-major; nccl_ep.cc:1013-1248, 1900-1963) and ``ncclEpGroupDestroy`` frees, by kind:
@@ -95,10 +145,24 @@ def context_bytes(
     ``a256(M x R x B)`` each (none with zero-copy), their probabilities ``a256(MR x E x 4)`` each
     and the scale region ``a256(MR x B)``, allocated even for bf16, plus the 8-byte completion
     flags) and ``pinned`` (the mapped host pointer block, ``40 x R``); ``leaked``, what destroy
-    does not free. Requested sizes: NCCL's cuMem granule rounding is not modelled."""
+    does not free. Requested sizes: NCCL's cuMem granule rounding is not modelled.
+
+    ``lsa_ranks`` (default: all ``R``, one NVLink domain) is the LSA team's size ``L``; across
+    teams (``D = R / L > 1``) the probability regions hold the team's experts (``E_l x L``,
+    nccl_ep.cc:1026-1028), the host pointer block ``40 x L`` (nccl_ep.cc:1072-1075), the routing
+    map a byte-padded block per team (``R x M x ceil(E_l x L / 8) x D``, nccl_ep.cc:1950-1962),
+    and ``gin`` (that key across teams only) is the GIN buffer (:func:`gin_buffer_terms`); nothing
+    leaks then:
+    ``destroy_ht_internode`` destroys the device communicator (nccl_ep.cc:1514-1564)."""
     r, m, mr, e = num_ranks, max_tokens, max_recv_tokens, num_experts
+    lsa = r if lsa_ranks is None else lsa_ranks
+    teams, local = r // lsa, e // r
     b = hidden * token_bytes
     tokens = 0 if zero_copy else 2 * _a256(m * r * b)
-    mega = tokens + 2 * _a256(mr * e * 4) + _a256(mr * b)
-    device = WORKSPACE_BYTES + COUNTER_BLOCK_BYTES + r * m * ((e + 7) // 8) + mega + 8
-    return {"device": device, "pinned": 40 * r, "leaked": LEAKED_PER_GROUP_BYTES}
+    mega = tokens + 2 * _a256(mr * local * lsa * 4) + _a256(mr * b)
+    routing = r * m * ((local * lsa + 7) // 8) * teams
+    device = WORKSPACE_BYTES + COUNTER_BLOCK_BYTES + routing + mega + 8
+    if teams == 1:
+        return {"device": device, "pinned": 40 * lsa, "leaked": LEAKED_PER_GROUP_BYTES}
+    gin = sum(n for _, n in gin_buffer_terms(r, lsa, e, m, hidden, token_bytes))
+    return {"device": device, "pinned": 40 * lsa, "leaked": 0, "gin": gin}
