@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from moe_release import backends
 from moe_release.report import colocated_section, overlap_section, step_profile
@@ -51,6 +51,19 @@ from moe_release.report.runtime import (
     resolve_runtime,
 )
 from moe_release.report.stats import bitwise_equal, summarize, timing
+
+
+def _nodes(text: Optional[str]) -> Optional[Tuple[int, int]]:
+    """``--nodes NxR`` as (N, R); None without it."""
+    if text is None:
+        return None
+    try:
+        n, r = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        n = r = 0
+    if n < 1 or r < 1:
+        raise ReportError(f"--nodes {text}: expected NxR, e.g. 2x2")
+    return n, r
 
 
 def measure(base: str, patched: str, cfg: Dict[str, Any], runtime: Runtime = CPU) -> Dict[str, Any]:
@@ -198,9 +211,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         choices=("auto", "emulation", "deep_ep"),
         help="dispatch kernels (auto: real deep_ep on a GPU per rank when installed)",
     )
+    parser.add_argument(
+        "--nodes",
+        metavar="NxR",
+        help="run on N emulated nodes of R ranks each (CPU runtime; e.g. 2x2: EP=4, each "
+        "backend's multi-node path); the sweep, overlap and colocated sections stay on one node "
+        "and are left out",
+    )
     args = parser.parse_args(argv)
     try:
-        runtime = resolve_runtime(args.device, args.kernels, WORLD, *probe_machine())
+        nodes = _nodes(args.nodes)
+        world = nodes[0] * nodes[1] if nodes else WORLD
+        runtime = resolve_runtime(args.device, args.kernels, world, *probe_machine())
+        if nodes and runtime.device != "cpu":
+            raise ReportError("--nodes: emulated nodes are the CPU runtime's; add --device cpu")
+        if nodes and args.record_golden:
+            raise ReportError("--nodes: golden values are of one node of 2 ranks")
         if args.record_golden and runtime.device != "cpu":
             raise ReportError(
                 "--record-golden: golden values hold CPU-allocator figures; add --device cpu"
@@ -249,6 +275,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfg["dispatcher"] = args.dispatcher
     if args.mtp_layers:
         cfg["mtp_layers"] = args.mtp_layers
+    if nodes:
+        cfg["nodes"] = list(nodes)
+        args.no_sweep = args.no_overlap = args.no_colocated = True
     if args.profile:
         return _profile(base, patched, cfg, args.rounds, Path(args.out), runtime)
     report: Dict[str, Any] = {

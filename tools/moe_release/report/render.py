@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional
 from moe_release.report import buffer_section, colocated_section, overlap_section
 from moe_release.report.config import SWEEP_LAYERS, dispatcher_label
 from moe_release.report.golden import WARM_PEAK_RTOL
-from moe_release.report.runs import WORLD
+from moe_release.report.runs import world_of
 from moe_release.report.runtime import (
     CPU,
     Runtime,
@@ -34,7 +34,7 @@ def table(report: Dict[str, Any]) -> str:
         f" | GPTModel, {cfg['layers']} MoE layers ({dispatcher_label(cfg)} dispatcher),"
         + (f" {cfg['mtp_layers']} MTP layer(s)," if cfg.get("mtp_layers") else "")
         + f" {cfg['experts']} experts top-{cfg['topk']},"
-        f" hidden {cfg['hidden']}, {cfg['tokens']} tokens/rank, EP={WORLD},"
+        f" hidden {cfg['hidden']}, {cfg['tokens']} tokens/rank, EP={world_of(cfg)}{_nodes(cfg)},"
         f" full recompute, {cfg['steps']} steps"
         f"\nruns on: {Runtime(**report.get('runtime', asdict(CPU))).describe()}"
     )
@@ -67,7 +67,7 @@ def table(report: Dict[str, Any]) -> str:
         lines += buffer_section.comm_buffer_lines(b.get("comm_buffers"), p.get("comm_buffers"))
         if b.get("syncs") is not None and p.get("syncs") is not None:
             lines += sync_lines(b, p)
-        lines += buffer_section.hybridep_accounting_lines(cfg, p, WORLD, rank)
+        lines += buffer_section.hybridep_accounting_lines(cfg, p, world_of(cfg), rank)
     lines += timing_lines(report["timing"])
     eq = report["bitwise"]
     lines.append(
@@ -269,3 +269,9 @@ def plot(report: Dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _nodes(cfg: Dict[str, Any]) -> str:
+    """The table header's words for a multi-node run (``--nodes``); empty on one node."""
+    nodes = cfg.get("nodes")
+    return f" over {nodes[0]} emulated nodes of {nodes[1]} ranks" if nodes else ""
