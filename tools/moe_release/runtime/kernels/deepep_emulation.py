@@ -2,8 +2,10 @@
 
 """Emulation of DeepEP's normal-mode ``Buffer`` (the ``deepep`` flex backend).
 
-``Buffer.get_dispatch_layout`` / ``dispatch`` / ``combine`` in intranode "normal" mode, over
-plain ``torch.distributed`` collectives (gloo works): a token is sent once to each rank owning
+``Buffer.get_dispatch_layout`` / ``dispatch`` / ``combine`` in "normal" mode, intranode and,
+when the group spans several emulated nodes, internode (its multi-node path: "Across nodes"
+below), over plain ``torch.distributed`` collectives (gloo works): a token is sent once to each
+rank owning
 one of its top-k experts; received top-k indices are made local (``-1`` and weight ``0`` for
 experts on other ranks); combine sums the copies of each token (and the top-k weights) on the
 source rank, in float32, ranks ascending. Any floating dtype is accepted, although the real
@@ -105,13 +107,14 @@ buffers live outside PyTorch's allocator; the emulation allocates what the const
 ``num_rdma_bytes`` megatron-core's ``get_buffer`` asks (the maximum of the :class:`Config`
 hints of the dispatch and combine configs, ``buffer.py:240-281``), the device terms as one
 counted tensor (``memory``), the mapped pinned counters apart (``terms`` lists them all).
-Sizes: C = channels (``num_sms / 2``), Rn = NVLink ranks ``min(R, 8)``, Rr = RDMA ranks
-``max(R / 8, 1)``, Bh = hidden bytes, r_nvl / r_rdma = the config's NVLink / RDMA receive chunk
-(the RDMA one rounded up to a multiple of its send chunk, ``config.hpp:45``), ``a128`` rounds up
-to 128; Bt = Bh + 8 + 128 x (8 + 4 + 4), a token's hidden bytes, source metadata
-(``sizeof(SourceMeta)``, ``csrc/kernels/internode.cu:17-18``: NVSHMEM compiled in), top-k
-indices and weights and scales. The barrier block only with an NVLink buffer
-(``deep_ep.cpp:171``); the RDMA buffer is 0 up to 8 ranks. ``configs.cuh`` is
+Sizes: C = channels (``num_sms / 2``), Rn = NVLink ranks ``min(R, P)``, Rr = RDMA ranks (nodes)
+``max(R / P, 1)``, P = a node's ranks (8 on a real node; "Across nodes"), Bh = hidden bytes,
+r_nvl / r_rdma = the config's NVLink / RDMA receive chunk (the RDMA one rounded up to a multiple
+of its send chunk, ``config.hpp:45``), ``a128`` rounds up to 128; Bt = Bh + 8 + 128 x (8 + 4 +
+4), a token's hidden bytes, source metadata (``sizeof(SourceMeta)``,
+``csrc/kernels/internode.cu:17-18``: NVSHMEM compiled in), top-k indices and weights and
+scales. The barrier block only with an NVLink buffer (``deep_ep.cpp:171``); the RDMA buffer is
+0 on one node. ``configs.cuh`` is
 ``csrc/kernels/configs.cuh``, ``config.hpp`` ``csrc/config.hpp``.
 
 [deepep buffer] ``Buffer(group, num_nvl_bytes, num_rdma_bytes)`` and the hints sizing them
@@ -126,7 +129,9 @@ indices and weights and scales. The barrier block only with an NVLink buffer
 | RDMA receive counter | pinned, never freed | 4 | deep_ep.cpp:203 |
 | RDMA buffer (num_rdma_bytes) | device | a128(C Rr (144 + 2 r_rdma (Bt+16))) | config.hpp:75-103 |
 
-``destroy()`` frees all but the RDMA receive counter (``deep_ep.cpp:269-309``).
+``destroy()`` frees all but the RDMA receive counter (``deep_ep.cpp:269-309``); the 144 of the
+RDMA buffer's formula is its per-channel counters, ``(2 x 8 + 2) x 2`` ints whatever P (8:
+``NUM_MAX_NVL_PEERS`` slots), as the barrier block's 8.
 ``explicitly_destroy`` is honoured as deep_ep does: ``destroy()`` needs it, is collective, and
 leaves the buffer unusable; a flagged buffer dropped without it stays allocated (deep_ep leaks
 it) and the destructor's warning is printed. A buffer built without the flag is destroyed by its
@@ -136,7 +141,46 @@ buffer), which runs over IPC-mapped signals and not over the process group: the 
 rendezvouses the peers on the job's store (:class:`moe_release.runtime.measure.faults.Fabric`),
 logged as a device-side collective with the context it ran from, and bounded: a peer that never
 arrives makes it raise "a GPU would trap" (the kernel's timeout), in the destructor printed to
-stderr with the bytes kept.
+stderr with the bytes kept. With an RDMA buffer (across nodes) ``destroy()`` then runs
+``internode::barrier()``, ``free`` and ``finalize()`` (``deep_ep.cpp:291-297``):
+``nvshmem_barrier_all``, ``nvshmem_free`` and ``nvshmem_finalize`` (``runtime.cu:75-89``), each
+a collective over every PE of the rank's NVSHMEM job, emulated the same way over exactly those
+ranks ("deepep nvshmem barrier", "deepep nvshmem free", "deepep nvshmem finalize"). A rendezvous
+that times out frees nothing: the trapped kernel leaves the context unusable.
+
+**Across nodes.** DeepEP's node is ``NUM_MAX_NVL_PEERS`` (8) consecutive ranks of the group
+(``rdma_rank = rank / 8``, ``nvl_rank = rank % 8``, ``deep_ep.cpp:159-160``). The emulation
+reads the node from :func:`moe_release.runtime.kernels.emulation_common.node_layout`
+(``MOE_RELEASE_RANKS_PER_NODE``, at most 8: a larger NVLink domain is cut into nodes of 8, as
+``rank / 8`` cuts it; unset, every rank of a group of up to 8 on one node), so 4 CPU ranks can
+be 2 nodes of 2 (P = 2). Then, as deep_ep does past one node:
+
+* the :class:`Config` hints count the node's ranks (Rn = P, Rr = R / P), so
+  ``get_rdma_buffer_size_hint`` is > 0 and megatron-core's ``get_buffer`` asks an RDMA buffer;
+* the constructor all-gathers the IPC handles over the group, but the intranode barrier
+  (``destroy()``'s) rendezvouses the node's ranks only (``sync`` maps those, ``:316-331``);
+  the NVSHMEM unique ids are all-gathered over the group (``buffer.py:102-129``: each rank of
+  node 0 makes one), and in normal mode each rank joins the NVSHMEM job of its local rank: the
+  ranks ``local + n x P`` of every node n, one PE each (``nvshmem_rank = rdma_rank``,
+  ``deep_ep.cpp:347-349``), whose init (bootstrap, ``nvshmem_barrier_all``, ``nvshmem_align``)
+  is one more rendezvous, "deepep nvshmem init", and whose barrier, free and finalize
+  ``destroy()`` runs;
+* ``get_dispatch_layout`` returns ``num_tokens_per_rdma_rank`` and ``dispatch`` / ``combine``
+  take the internode path (``buffer.py:376-380, 453-455``): :meth:`Buffer.internode_dispatch`,
+  whose docstring holds the tables of its outputs (``[deepep internode dispatch]`` and the rest),
+  with the same rows, in the same order, and so the same numerics, as one node.
+
+What differs from a real 8-GPU node: real DeepEP runs internode only from 16 ranks (and refuses
+``num_rdma_bytes`` on one node, ``deep_ep.cpp:154-155``, which the emulation accepts); the
+configs are those of the group's size (4 ranks: the 4-rank config's RDMA chunks, which a real
+4-rank job never uses); what the kernels size by ``NUM_MAX_NVL_PEERS`` at compile time stays 8
+(the barrier block, the RDMA counters above, ``SourceMeta``'s 8 bits, ``send_nvl_head``'s 8
+columns, past P holding -1); the RDMA buffer is counted at ``num_rdma_bytes``, not at the
+symmetric heap NVSHMEM reserves (``NVSHMEM_CUMEM_GRANULARITY`` = 512 MiB steps,
+``buffer.py:119``), and NVSHMEM is not process-wide here (megatron-core's patched ``get_buffer``
+refuses a second internode buffer itself); the tokens move in one collective per tensor, not
+over RDMA to the rank of the same local rank on each node and on over NVLink; and, as on one
+node, the emulation does not check that the hints fit the buffer (``internode.cu:338-339``).
 """
 
 import os
@@ -145,10 +189,12 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from moe_release import settings
 from moe_release.runtime.cuda import placement
 from moe_release.runtime.kernels.emulation_common import (
     BufferTerm,
     EventOverlap,
+    NodeLayout,
     all_to_all,
     buffer_device,
     cdiv,
@@ -159,6 +205,7 @@ from moe_release.runtime.kernels.emulation_common import (
     group_size,
     host_all_gather_ints,
     kernel_host_sync,
+    node_layout,
     sent_token_ids,
     sum_rows,
 )
@@ -168,6 +215,7 @@ from moe_release.runtime.measure import faults
 DEEP_EP_SOURCE_COMMIT = "94a9f8f6b146c07d97ec58f67cd6d303296d6098"
 # csrc/kernels/configs.cuh:3-6 at that commit.
 NUM_MAX_NVL_PEERS = 8
+NUM_MAX_RDMA_PEERS = 20
 NUM_WORKSPACE_BYTES = 32 * 1024 * 1024
 NUM_MAX_LOCAL_EXPERTS = 1024
 
@@ -196,6 +244,53 @@ def _align_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
+def _ranks_per_node() -> int:
+    """The ranks of one emulated node as DeepEP sees it: ``MOE_RELEASE_RANKS_PER_NODE``, at most
+    ``NUM_MAX_NVL_PEERS`` (``rdma_rank = rank / NUM_MAX_NVL_PEERS`` splits a larger NVLink
+    domain into nodes of 8, ``deep_ep.cpp:159``); unset: 8."""
+    return min(settings.ranks_per_node() or NUM_MAX_NVL_PEERS, NUM_MAX_NVL_PEERS)
+
+
+def node_ranks(num_ranks: int) -> Tuple[int, int]:
+    """``(num_nvl_ranks, num_rdma_ranks)`` of a group of ``num_ranks``
+    (``deep_ep.cpp:159-160``, ``config.hpp:56-59``) on the emulated nodes (the module
+    docstring's "Across nodes"): ``min(R, P)`` NVLink peers and ``max(R / P, 1)`` RDMA ranks, P
+    the node's ranks. A group beyond one node that does not fill whole nodes is refused, as
+    ``config.hpp:56`` asserts."""
+    per = _ranks_per_node()
+    nvl = min(num_ranks, per)
+    if num_ranks > per and num_ranks % per:
+        raise ValueError(
+            f"{num_ranks} ranks do not fill nodes of {per} (csrc/config.hpp:56 asserts "
+            f"num_ranks % NUM_MAX_NVL_PEERS == 0; {settings.RANKS_PER_NODE})"
+        )
+    return nvl, max(num_ranks // per, 1)
+
+
+def deep_ep_layout(group) -> NodeLayout:
+    """Where this rank sits on the emulated nodes, as DeepEP places it (``rdma_rank``,
+    ``nvl_rank``, ``deep_ep.cpp:159-160``): :func:`emulation_common.node_layout` with DeepEP's
+    ``NUM_MAX_NVL_PEERS``, a node of more than 8 split into nodes of 8 as DeepEP splits it, and
+    at most ``NUM_MAX_RDMA_PEERS`` nodes (``deep_ep.cpp:152``)."""
+    layout = node_layout(group, NUM_MAX_NVL_PEERS)
+    if layout.ranks_per_node > NUM_MAX_NVL_PEERS:
+        size = layout.ranks_per_node * layout.nodes
+        rank = layout.node * layout.ranks_per_node + layout.local_rank
+        if size % NUM_MAX_NVL_PEERS:
+            raise ValueError(
+                f"{size} ranks: deep_ep needs num_ranks % NUM_MAX_NVL_PEERS == 0 beyond "
+                f"{NUM_MAX_NVL_PEERS} (csrc/deep_ep.cpp:153)"
+            )
+        per = NUM_MAX_NVL_PEERS
+        layout = NodeLayout(per, size // per, rank // per, rank % per)
+    if layout.nodes > NUM_MAX_RDMA_PEERS:
+        raise ValueError(
+            f"{layout.nodes} nodes: deep_ep's normal mode spans at most NUM_MAX_RDMA_PEERS = "
+            f"{NUM_MAX_RDMA_PEERS} (csrc/deep_ep.cpp:152)"
+        )
+    return layout
+
+
 class Config:
     """DeepEP's tuning ``Config(num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv)``
     (``csrc/config.hpp:24-49``): the RDMA receive chunk is rounded up to a multiple of the send
@@ -213,21 +308,25 @@ class Config:
         """NVLink buffer bytes for ``num_ranks`` ranks (``config.hpp:51-73``): per channel
         (``num_sms / 2``) and NVLink rank, ``2 x RDMA ranks + 3`` int counters, then per
         received-chunk token the hidden bytes, the source metadata, top-k indices (int64) and
-        weights (fp32) and the scales (fp32); rounded up to 128 bytes."""
-        rdma_ranks = max(num_ranks // NUM_MAX_NVL_PEERS, 1)
-        nvl_ranks = min(num_ranks, NUM_MAX_NVL_PEERS)
+        weights (fp32) and the scales (fp32); rounded up to 128 bytes. The NVLink and RDMA
+        ranks are the emulated node's (:func:`node_ranks`; the real one divides by
+        ``NUM_MAX_NVL_PEERS``)."""
+        nvl_ranks, rdma_ranks = node_ranks(num_ranks)
         slots = self.num_sms // 2 * nvl_ranks
         recv = self.chunk_sizes[1]
         per_token = hidden_bytes + SOURCE_META_BYTES + NUM_MAX_TOPK * (8 + 4) + NUM_MAX_SCALES * 4
         return _align_up(slots * (2 * rdma_ranks + 3) * 4 + slots * recv * per_token, 128)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """RDMA buffer bytes (``config.hpp:75-103``): 0 up to ``NUM_MAX_NVL_PEERS`` ranks; else
-        per channel and RDMA rank ``(2 x 8 + 2) x 2`` int counters and, doubled (send and
-        receive), per received-chunk token what the NVLink hint holds plus an ``int4``."""
-        if num_ranks <= NUM_MAX_NVL_PEERS:
+        """RDMA buffer bytes (``config.hpp:75-103``): 0 on one node (the real one: up to
+        ``NUM_MAX_NVL_PEERS`` ranks); else per channel and RDMA rank (node, :func:`node_ranks`)
+        ``(2 x 8 + 2) x 2`` int counters (8: the kernels' ``NUM_MAX_NVL_PEERS`` slots, whatever
+        the node's size) and, doubled (send and receive), per received-chunk token what the
+        NVLink hint holds plus an ``int4``."""
+        _, rdma_ranks = node_ranks(num_ranks)
+        if rdma_ranks == 1:
             return 0
-        slots = self.num_sms // 2 * (num_ranks // NUM_MAX_NVL_PEERS)
+        slots = self.num_sms // 2 * rdma_ranks
         recv = self.chunk_sizes[3]
         per_token = hidden_bytes + SOURCE_META_BYTES + NUM_MAX_TOPK * (8 + 4) + NUM_MAX_SCALES * 4
         counters = slots * (NUM_MAX_NVL_PEERS * 2 + 2) * 2 * 4
@@ -264,20 +363,68 @@ LEAKED_BUFFERS: List[torch.Tensor] = []
 class _EmulatedRuntime:
     """Stand-in for ``deep_ep_cpp.Buffer``: its ``destroy()`` (``csrc/deep_ep.cpp:269-309``)
     synchronizes the device and, with an NVLink buffer, runs ``intranode::barrier`` across the
-    NVLink peers (``deep_ep.cpp:276-277``): a device-side collective over the IPC-mapped barrier
-    signals, not over the process group, so it rendezvouses (and hangs) whatever became of the
-    group. Emulated by :class:`moe_release.runtime.measure.faults.Fabric` (a bounded barrier on the
-    job's store; past its bound it raises, as the kernel traps)."""
+    node's NVLink peers (``deep_ep.cpp:276-277``): a device-side collective over the IPC-mapped
+    barrier signals, not over the process group, so it rendezvouses (and hangs) whatever became
+    of the group. With an RDMA buffer (across nodes) it then runs ``internode::barrier()``,
+    ``internode::free`` and ``internode::finalize()`` (``deep_ep.cpp:291-297``:
+    ``nvshmem_barrier_all``, ``nvshmem_free``, ``nvshmem_finalize``, ``runtime.cu:75-89``),
+    collectives over every PE of the rank's NVSHMEM job: in normal mode the ranks with its local
+    rank on every node (``deep_ep.cpp:347-349``). Each is emulated by
+    :class:`moe_release.runtime.measure.faults.Fabric` over exactly those ranks (a bounded
+    barrier on the job's store; past its bound it raises, as the kernel traps)."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int) -> None:
-        # The constructor all-gathers the device ids and IPC handles over the group
-        # (deep_ep/buffer.py:94-100): the barrier signals destroy() uses are those it mapped.
+    def __init__(
+        self,
+        group: Optional[dist.ProcessGroup],
+        num_nvl_bytes: int,
+        num_rdma_bytes: int,
+        layout: NodeLayout,
+    ) -> None:
+        self.layout = layout
+        per, node, local = layout.ranks_per_node, layout.node, layout.local_rank
+        ranks = faults.group_ranks(group) or (0,)
+        # The constructor all-gathers the device ids and IPC handles over the whole group
+        # (deep_ep/buffer.py:94-100); sync() maps those of its node's NVLink peers only
+        # (deep_ep.cpp:316-331): the barrier signals destroy() uses are theirs.
         tokens = faults.exchange(group)
-        self.fabric = faults.Fabric(group, "deepep", tokens) if num_nvl_bytes > 0 else None
+        peers = slice(node * per, node * per + per)
+        self.fabric = None
+        if num_nvl_bytes > 0:
+            self.fabric = faults.Fabric(group, "deepep", tokens[peers], ranks=ranks[peers])
+        self.nvshmem = None
+        if layout.nodes > 1:
+            # NVSHMEM's unique ids (buffer.py:102-129): the ranks of RDMA rank 0 make one each,
+            # all-gathered over the group; a rank takes its local rank's (get_root_rdma_rank(
+            # true) = nvl_rank, deep_ep.cpp:234-236): one NVSHMEM job per local rank.
+            ids: List[Optional[str]] = [None] * len(ranks)
+            mine = os.urandom(6).hex() if node == 0 else None
+            dist.all_gather_object(ids, mine, group=group)
+            if num_rdma_bytes > 0:
+                # sync(): internode::init with nvshmem_rank = rdma_rank over num_rdma_ranks PEs
+                # (deep_ep.cpp:347-349, runtime.cu:50-69: its bootstrap and barrier_all), the
+                # barrier, nvshmem_align (collective) and the barrier again (:350-360).
+                team = ranks[local::per]
+                self.nvshmem = faults.Fabric(group, "deepep-nvshmem", [str(ids[local])], team)
+                self.nvshmem.barrier("deepep nvshmem init")
+
+    def get_num_rdma_ranks(self) -> int:
+        return self.layout.nodes
+
+    def get_rdma_rank(self) -> int:
+        return self.layout.node
+
+    def get_root_rdma_rank(self, global_: bool) -> int:
+        return self.layout.local_rank if global_ else 0
+
+    def is_internode_available(self) -> bool:
+        return self.layout.nodes > 1
 
     def destroy(self) -> None:
         if self.fabric is not None:
             self.fabric.barrier("deepep destroy barrier")
+        if self.nvshmem is not None:
+            for op in ("deepep nvshmem barrier", "deepep nvshmem free", "deepep nvshmem finalize"):
+                self.nvshmem.barrier(op)
 
 
 class _DeepEPHandle(tuple):
@@ -298,10 +445,19 @@ class _DeepEPHandle(tuple):
         return (tuple(self), self.send_counts, self.recv_counts)
 
 
-class Buffer:
-    """Emulation of ``deep_ep.Buffer`` in intranode normal (non-low-latency) mode.
+class _DeepEPInternodeHandle(_DeepEPHandle):
+    """DeepEP's internode dispatch handle, the real 10-tuple ``(is_token_in_rank,
+    rdma_channel_prefix_matrix, gbl_channel_prefix_matrix, recv_rdma_channel_prefix_matrix,
+    recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum,
+    recv_src_meta, send_rdma_head, send_nvl_head)`` (``deep_ep/buffer.py:589-592``), carrying
+    the host-side split sizes of the emulation's collectives."""
 
-    The dispatch handle is the real 6-tuple (module docstring). The emulation encodes the
+
+class Buffer:
+    """Emulation of ``deep_ep.Buffer`` in normal (non-low-latency) mode, intranode and, when the
+    group spans several emulated nodes, internode (:meth:`internode_dispatch`).
+
+    The intranode dispatch handle is the real 6-tuple (module docstring). The emulation encodes the
     routing in it: ``rank_prefix_matrix[s, d]`` counts the tokens ranks ``0..s`` send to rank
     ``d``; ``channel_prefix_matrix[d, c]`` the tokens this rank sends to ``d`` from its channels
     ``0..c`` (channel ``c`` takes tokens ``c*cdiv(T, C)`` on) and
@@ -343,8 +499,10 @@ class Buffer:
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
+        # Where this rank sits on the emulated nodes (rdma_rank, nvl_rank: deep_ep.cpp:159-160).
+        self.layout = deep_ep_layout(group)
         # The C++ runtime; destroy() sets it to None, as the real one does (buffer.py:143).
-        self.runtime = _EmulatedRuntime(group, num_nvl_bytes)
+        self.runtime = _EmulatedRuntime(group, num_nvl_bytes, num_rdma_bytes, self.layout)
         self.terms = buffer_terms(num_nvl_bytes, num_rdma_bytes)
         # One device allocation for the NVLink buffer with its barrier signals and pointers,
         # the workspace and the RDMA buffer; the mapped pinned receive counters apart, the RDMA
@@ -433,8 +591,11 @@ class Buffer:
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ):
-        """Returns ``(num_tokens_per_rank[R] int32, None, num_tokens_per_expert[E] int32,
-        is_token_in_rank[T, R] bool, event)``; ``-1`` entries of ``topk_idx`` are ignored."""
+        """Returns ``(num_tokens_per_rank[R] int32, num_tokens_per_rdma_rank,
+        num_tokens_per_expert[E] int32, is_token_in_rank[T, R] bool, event)``; ``-1`` entries of
+        ``topk_idx`` are ignored.
+        ``num_tokens_per_rdma_rank`` is None on one node, else ``[Rr]`` int32: the tokens sent
+        to each node, once however many of its ranks take them (``deep_ep.cpp:395-396``)."""
         self._check_runtime()
         size = self.group_size
         if num_experts % size:
@@ -448,9 +609,13 @@ class Buffer:
         is_token_in_rank.scatter_(1, dest, True)
         is_token_in_rank = is_token_in_rank[:, :size].contiguous()
         num_tokens_per_rank = is_token_in_rank.sum(0).to(torch.int32)
+        num_tokens_per_rdma_rank = None
+        if self.layout.nodes > 1:
+            per_node = is_token_in_rank.view(idx.shape[0], self.layout.nodes, -1).any(-1)
+            num_tokens_per_rdma_rank = per_node.sum(0).to(torch.int32)
         return (
             num_tokens_per_rank,
-            None,
+            num_tokens_per_rdma_rank,
             num_tokens_per_expert,
             is_token_in_rank,
             event(async_finish),
@@ -489,10 +654,21 @@ class Buffer:
 
         Returns ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
         handle, event)``; received rows are in source rank, then token order. With a cached
-        ``handle`` only ``x`` is sent and the other four are ``None``, as in DeepEP.
+        ``handle`` only ``x`` is sent and the other four are ``None``, as in DeepEP. Across
+        nodes it is :meth:`internode_dispatch` (``buffer.py:376-380``).
         """
         self._check_runtime()
         size, rank = self.group_size, self.rank
+        if self.layout.nodes > 1:
+            assert num_worst_tokens == 0, (
+                "Internode dispatch does not support `num_worst_tokens > 0`"
+            )
+            return self.internode_dispatch(
+                x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                config or self.get_dispatch_config(size), previous_event, async_finish,
+                allocate_on_comm_stream,
+            )  # fmt: skip
         if handle is not None:
             send_token_ids, sends, recvs = self._routing(handle)
             recv_x = all_to_all(x[send_token_ids], sends, recvs, self.group)
@@ -584,9 +760,15 @@ class Buffer:
     ):
         """Send every received row back and sum the copies of each token (ranks ascending).
 
-        Returns ``(combined_x[T, H], combined_topk_weights[T, K] float32 | None, event)``.
+        Returns ``(combined_x[T, H], combined_topk_weights[T, K] float32 | None, event)``. Across
+        nodes it is :meth:`internode_combine` (``buffer.py:453-455``).
         """
         self._check_runtime()
+        if self.layout.nodes > 1:
+            return self.internode_combine(
+                x, handle, topk_weights, bias, config or self.get_combine_config(self.group_size),
+                previous_event, async_finish, allocate_on_comm_stream,
+            )  # fmt: skip
         if bias is not None:
             raise NotImplementedError("The DeepEP emulation does not implement combine bias.")
         send_token_ids, sends, recvs = self._routing(handle)
@@ -596,6 +778,305 @@ class Buffer:
                 f"x has {x.shape[0]} rows but the dispatch received {recv_src_idx.shape[0]}."
             )
         num_tokens = send_head.shape[0]
+        back = all_to_all(x, recvs, sends, self.group)
+        out = sum_rows(back, send_token_ids, num_tokens, x.dtype)
+        out_weights = None
+        if topk_weights is not None:
+            back_w = all_to_all(topk_weights.float(), recvs, sends, self.group)
+            out_weights = sum_rows(back_w, send_token_ids, num_tokens, torch.float32)
+        return out, out_weights, event(async_finish)
+
+    # -- across nodes ---------------------------------------------------------------------------
+
+    def _internode_routing(self, handle: tuple) -> Tuple[torch.Tensor, List[int], List[int]]:
+        """``(send_token_ids, send_counts, recv_counts)`` of an internode handle: the tokens
+        ``is_token_in_rank`` (``h[0]``) sends to each rank (ranks ascending, token order) and
+        what each source sends here (``h[6]``, the received rows' prefix sum over sources)."""
+        if not isinstance(handle, tuple) or len(handle) != 10:
+            raise ValueError(
+                "expected the 10-item internode DeepEP handle of Buffer.internode_dispatch "
+                f"(the group spans {self.layout.nodes} nodes)"
+            )
+        in_rank = handle[0].bool()
+        ids = [torch.nonzero(in_rank[:, d]).flatten() for d in range(in_rank.shape[1])]
+        sends = getattr(handle, "send_counts", None) or [int(i.shape[0]) for i in ids]
+        recvs = getattr(handle, "recv_counts", None)
+        if recvs is None:
+            # A handle re-packed into a plain tuple: read the counts from recv_gbl_rank_prefix_sum.
+            prefix = handle[6].long()
+            recvs = torch.diff(prefix, prepend=prefix.new_zeros(1)).tolist()
+        return torch.cat(ids), list(sends), list(recvs)
+
+    def internode_dispatch(
+        self,
+        x: torch.Tensor,
+        handle: Optional[tuple] = None,
+        num_tokens_per_rank: Optional[torch.Tensor] = None,
+        num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+        is_token_in_rank: Optional[torch.Tensor] = None,
+        num_tokens_per_expert: Optional[torch.Tensor] = None,
+        topk_idx: Optional[torch.Tensor] = None,
+        topk_weights: Optional[torch.Tensor] = None,
+        expert_alignment: int = 1,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        """``Buffer.internode_dispatch`` (``buffer.py:545-593``, ``deep_ep.cpp:807-1086``):
+        what :meth:`dispatch` runs when the group spans several emulated nodes. The same rows
+        as the intranode dispatch, in the same order (source rank, then token order: the
+        real kernel writes each source rank's rows at its ``recv_gbl_rank_prefix_sum`` offset,
+        ``internode.cu:880-905``), so the same numerics; the handle is the real internode
+        10-tuple, and the emulation moves each tensor in one collective where the kernels go
+        over RDMA to the rank of the same local rank on each node and on over NVLink.
+
+        The handle's fields, as the emulation fills them: ``is_token_in_rank`` the layout's;
+        ``rdma_channel_prefix_matrix[n, c]`` the tokens this rank's channels ``0..c`` (channel
+        ``c`` takes tokens ``c*cdiv(T, C)`` on) send to node ``n``, once per node, and
+        ``gbl_channel_prefix_matrix[d, c]`` those to rank ``d`` (``internode.cu:252-301``);
+        ``recv_rdma_channel_prefix_matrix[n, c]`` what the rank of this local rank on node ``n``
+        sends this node (``internode.cu:715``), ``recv_rdma_rank_prefix_sum`` its prefix sum
+        over nodes (``:201-211``); ``recv_gbl_channel_prefix_matrix[s, c]`` the first
+        ``recv_x`` row of source ``s``'s channel ``c`` (``:905``), ``recv_gbl_rank_prefix_sum``
+        the received rows' prefix sum over sources (``:227-234``); ``recv_src_meta`` per row a
+        ``SourceMeta`` (int32 source node, int32 bits of the destination node's ranks taking
+        the token, ``internode.cu:17-36``) as its 8 bytes; ``send_rdma_head[t, n]`` token
+        ``t``'s index among its channel's tokens to node ``n`` (-1: none, ``:494-526``);
+        ``send_nvl_head[i, p]``, for the RDMA-received tokens (source nodes ascending, token
+        order), the token's index among those this rank forwards to its node's rank ``p`` (-1:
+        not forwarded, and in the columns past the node's ranks).
+
+        Sizes as in the module docstring, and Rr = nodes (RDMA ranks), Nrr = the tokens this
+        rank receives over RDMA (the other nodes' and its own node's, each once,
+        ``moe_recv_rdma_counter``, ``deep_ep.cpp:975``); ``8`` is ``NUM_MAX_NVL_PEERS``, the
+        kernels' compile-time width. The tests run these on 4 ranks as 2 nodes of 2.
+
+        [deepep internode layout] ``Buffer.get_dispatch_layout`` across nodes
+
+        | output | mode | device | dtype | shape | source @94a9f8f |
+        |---|---|---|---|---|---|
+        | num_tokens_per_rank | all | device | int32 | [R] | deep_ep.cpp:391 |
+        | num_tokens_per_rdma_rank | all | device | int32 | [Rr] | deep_ep.cpp:395-396 |
+        | num_tokens_per_expert | all | device | int32 | [E] | deep_ep.cpp:393 |
+        | is_token_in_rank | all | device | bool | [T, R] | deep_ep.cpp:394 |
+        | event | async | - | EventOverlap(EventHandle) | - | deep_ep.cpp:407-409 |
+        | event | sync | - | EventOverlap(None) | - | buffer.py:310 |
+
+        [deepep internode dispatch] ``Buffer.dispatch`` without a handle, across nodes
+
+        | output | mode | device | dtype | shape | source @94a9f8f |
+        |---|---|---|---|---|---|
+        | recv_x | all | device | x.dtype | [Nr, H] | deep_ep.cpp:997 |
+        | recv_topk_idx | all | device | int64 | [Nr, K] | deep_ep.cpp:1017 |
+        | recv_topk_weights | all | device | float32 | [Nr, K] | deep_ep.cpp:1018 |
+        | num_recv_tokens_per_expert_list | all | - | list[int] | [E_l] | deep_ep.cpp:970-993 |
+        | handle | all | - | tuple | [10] | buffer.py:589-592 |
+        | h[0] is_token_in_rank | all | device | bool | [T, R] | buffer.py:589 |
+        | h[1] rdma_channel_prefix_matrix | all | device | int32 | [Rr, C] | deep_ep.cpp:948 |
+        | h[2] gbl_channel_prefix_matrix | all | device | int32 | [R, C] | deep_ep.cpp:950 |
+        | h[3] recv_rdma_channel_prefix_matrix | all | device | int32 | [Rr, C] | deep_ep.cpp:1006 |
+        | h[4] recv_rdma_rank_prefix_sum | all | device | int32 | [Rr] | deep_ep.cpp:949 |
+        | h[5] recv_gbl_channel_prefix_matrix | all | device | int32 | [R, C] | deep_ep.cpp:1007 |
+        | h[6] recv_gbl_rank_prefix_sum | all | device | int32 | [R] | deep_ep.cpp:951 |
+        | h[7] recv_src_meta | all | device | uint8 | [Nr, 8] | deep_ep.cpp:1005 |
+        | h[8] send_rdma_head | all | device | int32 | [T, Rr] | deep_ep.cpp:1008 |
+        | h[9] send_nvl_head | all | device | int32 | [Nrr, 8] | deep_ep.cpp:1009 |
+        | event | async | - | EventOverlap(EventHandle) | - | deep_ep.cpp:1049-1050 |
+        | event | sync | - | EventOverlap(None) | - | buffer.py:593 |
+
+        [deepep internode cached dispatch] ``Buffer.dispatch(handle=...)`` across nodes
+
+        | output | mode | device | dtype | shape | source @94a9f8f |
+        |---|---|---|---|---|---|
+        | recv_x | all | device | x.dtype | [Nr, H] | deep_ep.cpp:997 |
+        | recv_topk_idx | all | - | None | - | buffer.py:577 |
+        | recv_topk_weights | all | - | None | - | buffer.py:577 |
+        | num_recv_tokens_per_expert_list | all | - | None | - | buffer.py:577 |
+        | handle | all | - | None | - | buffer.py:577 |
+        | event | async | - | EventOverlap(EventHandle) | - | deep_ep.cpp:1049-1050 |
+        | event | sync | - | EventOverlap(None) | - | buffer.py:577 |
+
+        [deepep internode combine] ``Buffer.combine`` across nodes
+
+        | output | mode | device | dtype | shape | source @94a9f8f |
+        |---|---|---|---|---|---|
+        | combined_x | all | device | x.dtype | [T, H] | deep_ep.cpp:1177 |
+        | combined_topk_weights | weights | device | float32 | [T, K] | deep_ep.cpp:1146 |
+        | combined_topk_weights | no weights | - | None | - | deep_ep.cpp:1137 |
+        | event | async | - | EventOverlap(EventHandle) | - | deep_ep.cpp:1190-1192 |
+        | event | sync | - | EventOverlap(None) | - | buffer.py:623 |
+
+        Host synchronizations, as the module docstring's (the fresh dispatch: the CPU
+        busy-waits for the received counts, the RDMA one included):
+
+        | call | mode | syncs | kind | source @94a9f8f |
+        |---|---|---|---|---|
+        | deepep internode layout | all | 0 | - | deep_ep.cpp:406-422 |
+        | deepep internode dispatch | all | 1 | deepep internode dispatch | deep_ep.cpp:970-993 |
+        | deepep internode cached dispatch | all | 0 | - | deep_ep.cpp:930-946 |
+        | deepep internode combine | all | 0 | - | deep_ep.cpp:1189-1211 |
+        """
+        assert config is not None
+        self._check_runtime()
+        group, size, rank = self.group, self.group_size, self.rank
+        if handle is not None:
+            assert topk_idx is None and topk_weights is None
+            send_token_ids, sends, recvs = self._internode_routing(handle)
+            recv_x = all_to_all(x[send_token_ids], sends, recvs, group)
+            return recv_x, None, None, None, None, event(async_finish)
+        if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
+            raise ValueError("dispatch needs the layout (buffer.py:579), or a handle.")
+        if num_tokens_per_rdma_rank is None:
+            # EP_HOST_ASSERT(num_tokens_per_rdma_rank.has_value()) (deep_ep.cpp:834).
+            raise ValueError(
+                "internode dispatch needs get_dispatch_layout's num_tokens_per_rdma_rank"
+            )
+        if topk_idx is None:
+            raise ValueError("dispatch needs the top-k indices, or a handle.")
+        per, nodes, node, local = self.layout
+        num_experts = int(num_tokens_per_expert.numel())
+        channels = max(config.num_sms // 2, 1)
+        num_tokens = x.shape[0]
+        dev = x.device
+        in_rank = is_token_in_rank.bool()
+        in_node = in_rank.view(num_tokens, nodes, per).any(-1)  # [T, Rr]
+        sends = [count_set(in_rank[:, d]) for d in range(size)]
+        node_sends = [count_set(in_node[:, n]) for n in range(nodes)]
+        # notify_dispatch: every rank's counts per rank and per node, which the host reads once
+        # they arrive (the kernel's one CPU wait, for moe_recv_counter and moe_recv_rdma_counter).
+        counts_all = host_all_gather_ints(sends + node_sends, group)  # [source][R + Rr]
+        kernel_host_sync("deepep internode dispatch")
+        recvs = [counts_all[s][rank] for s in range(size)]
+        column = [n * per + local for n in range(nodes)]  # this rank's RDMA peers, by node
+        rdma_recvs = [counts_all[s][size + node] for s in column]
+        ids = [torch.nonzero(in_rank[:, d]).flatten() for d in range(size)]
+        send_token_ids = torch.cat(ids)
+        recv_x = all_to_all(x[send_token_ids], sends, recvs, group)
+        recv_idx = all_to_all(topk_idx.long()[send_token_ids], sends, recvs, group)
+        local_experts = num_experts // size
+        begin = rank * local_experts
+        mine = (recv_idx >= begin) & (recv_idx < begin + local_experts)
+        recv_topk_idx = torch.where(mine, recv_idx - begin, torch.full_like(recv_idx, -1))
+        recv_topk_weights = None
+        if topk_weights is not None:
+            w = all_to_all(topk_weights.float()[send_token_ids], sends, recvs, group)
+            recv_topk_weights = torch.where(mine, w, torch.zeros_like(w))
+        per_expert = [count_set(recv_topk_idx == e) for e in range(local_experts)]
+        if expert_alignment > 1:
+            per_expert = [c + (-c % expert_alignment) for c in per_expert]
+        # SourceMeta of every sent row: this rank's node, and which ranks of the destination's
+        # node take the token (one bit each).
+        place = torch.pow(2, torch.arange(per, dtype=torch.int32, device=dev)).to(torch.int32)
+        bits = (in_rank.view(num_tokens, nodes, per).to(torch.int32) * place).sum(-1)  # [T, Rr]
+        dest = torch.arange(size, dtype=torch.long, device=dev)
+        dest = torch.repeat_interleave(dest, torch.tensor(sends, dtype=torch.long, device=dev))
+        row_bits = bits[send_token_ids, dest // per].to(torch.int32)
+        meta = torch.stack([torch.full_like(row_bits, node), row_bits], 1)
+        recv_src_meta = all_to_all(meta, sends, recvs, group).view(torch.uint8)  # [Nr, 8]
+        # Channel c sends tokens [c * each, (c + 1) * each) (get_channel_task_range).
+        each = cdiv(num_tokens, channels)
+        ends = [min((c + 1) * each, num_tokens) for c in range(channels)]
+        ends = torch.tensor(ends, dtype=torch.long, device=dev)
+
+        def prefix(mask: torch.Tensor) -> torch.Tensor:  # [T + 1, n]: tokens before each
+            zero = torch.zeros((1, mask.shape[1]), dtype=torch.int32, device=dev)
+            return torch.cat([zero, torch.cumsum(mask.to(torch.int32), 0).to(torch.int32)])
+
+        by_rank, by_node = prefix(in_rank), prefix(in_node)
+        gbl_channel_prefix_matrix = by_rank[ends].t().contiguous()  # [R, C]
+        rdma_channel_prefix_matrix = by_node[ends].t().contiguous()  # [Rr, C]
+        # What every destination learns of this rank's channels: its own row, and its node's.
+        told = torch.cat(
+            [gbl_channel_prefix_matrix, rdma_channel_prefix_matrix.repeat_interleave(per, 0)], 1
+        )
+        heard = all_to_all(told, [1] * size, [1] * size, group)  # [R, 2C], row s: source s's
+        peers = torch.tensor(column, dtype=torch.long, device=dev)
+        recv_rdma_channel_prefix_matrix = heard[peers, channels:].contiguous()
+        running = 0
+        gbl_sums, starts = [], []
+        for count in recvs:
+            starts.append(running)
+            running += count
+            gbl_sums.append(running)
+        recv_gbl_rank_prefix_sum = torch.tensor(gbl_sums, dtype=torch.int32, device=dev)
+        first = torch.cat(
+            [torch.zeros((size, 1), dtype=torch.int32, device=dev), heard[:, : channels - 1]], 1
+        )
+        starts = torch.tensor(starts, dtype=torch.int32, device=dev).unsqueeze(1)
+        recv_gbl_channel_prefix_matrix = (first + starts).to(torch.int32).contiguous()
+        rdma_sums = [sum(rdma_recvs[: n + 1]) for n in range(nodes)]
+        recv_rdma_rank_prefix_sum = torch.tensor(rdma_sums, dtype=torch.int32, device=dev)
+        # send_rdma_head: each token's index among its channel's tokens to each node.
+        token = torch.arange(num_tokens, dtype=torch.long, device=dev)
+        rdma_head = by_node[1:] - by_node[token // each * each] - 1
+        send_rdma_head = torch.where(in_node, rdma_head, torch.full_like(rdma_head, -1))
+        # The RDMA leg: each node's tokens go to the rank of this local rank there, with the
+        # bits of the ranks they are forwarded to; send_nvl_head numbers them per rank.
+        leg_sends, leg_recvs = [0] * size, [0] * size
+        for n, s in enumerate(column):
+            leg_sends[s], leg_recvs[s] = node_sends[n], rdma_recvs[n]
+        node_ids = [torch.nonzero(in_node[:, n]).flatten() for n in range(nodes)]
+        to_node = torch.arange(nodes, dtype=torch.long, device=dev)
+        to_node = torch.repeat_interleave(to_node, torch.tensor(node_sends, device=dev))
+        leg_bits = bits[torch.cat(node_ids), to_node].to(torch.int32)
+        rdma_bits = all_to_all(leg_bits, leg_sends, leg_recvs, group)  # [Nrr]
+        lane = torch.arange(NUM_MAX_NVL_PEERS, dtype=torch.int32, device=dev)
+        forwarded = ((rdma_bits.unsqueeze(1) >> lane) & 1).bool()  # [Nrr, 8]
+        nvl_head = torch.cumsum(forwarded.to(torch.int32), 0) - 1
+        send_nvl_head = torch.where(forwarded, nvl_head, torch.full_like(nvl_head, -1))
+        new_handle = _DeepEPInternodeHandle(
+            (
+                is_token_in_rank,
+                rdma_channel_prefix_matrix,
+                gbl_channel_prefix_matrix,
+                recv_rdma_channel_prefix_matrix,
+                recv_rdma_rank_prefix_sum,
+                recv_gbl_channel_prefix_matrix,
+                recv_gbl_rank_prefix_sum,
+                recv_src_meta,
+                send_rdma_head.to(torch.int32).contiguous(),
+                send_nvl_head.to(torch.int32).contiguous(),
+            ),
+            send_counts=sends,
+            recv_counts=recvs,
+        )
+        return (
+            recv_x,
+            recv_topk_idx,
+            recv_topk_weights,
+            per_expert,
+            new_handle,
+            event(async_finish),
+        )
+
+    def internode_combine(
+        self,
+        x: torch.Tensor,
+        handle: tuple,
+        topk_weights: Optional[torch.Tensor] = None,
+        bias=None,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        """``Buffer.internode_combine`` (``buffer.py:596-623``, ``deep_ep.cpp:1088-1219``):
+        every received row back to its source, the copies of each token summed in float32,
+        ranks ascending, as the intranode combine. Returns ``(combined_x[T, H],
+        combined_topk_weights[T, K] float32 | None, event)``, T the rows of the handle's
+        ``is_token_in_rank`` (``deep_ep.cpp:1110``)."""
+        assert config is not None
+        self._check_runtime()
+        if bias is not None:
+            raise NotImplementedError("The DeepEP emulation does not implement combine bias.")
+        send_token_ids, sends, recvs = self._internode_routing(handle)
+        src_meta = handle[7]
+        if x.shape[0] != src_meta.shape[0]:
+            raise ValueError(
+                f"x has {x.shape[0]} rows but the dispatch received {src_meta.shape[0]}."
+            )
+        num_tokens = handle[0].shape[0]
         back = all_to_all(x, recvs, sends, self.group)
         out = sum_rows(back, send_token_ids, num_tokens, x.dtype)
         out_weights = None

@@ -10,8 +10,9 @@ together and which one rank entered alone, and in what context:
 
 * :func:`install` wraps ``torch.distributed``'s collectives (barrier, all_reduce, all_gather*,
   all_to_all*, broadcast, reduce*, gather, scatter) and, through :func:`note`, the kernel
-  emulations log their device-side collectives (DeepEP ``Buffer.destroy``'s intranode barrier,
-  ``ElasticBuffer.destroy``, the HybridEP constructor's handle exchange, TE's ``ep_finalize``).
+  emulations log their device-side collectives (DeepEP ``Buffer.destroy``'s intranode barrier
+  and, across nodes, its NVSHMEM barrier, free and finalize, ``ElasticBuffer.destroy``, the
+  HybridEP constructor's handle exchange, TE's ``ep_finalize``).
 * Each entry carries the group's global ranks and its context (:func:`context`): ``finalizer``
   (inside a ``__del__`` or a ``weakref.finalize`` callback), ``gc`` (inside a garbage
   collection, from ``gc.callbacks``), ``atexit`` (inside a hook registered with ``atexit``:
@@ -44,7 +45,7 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -85,14 +86,28 @@ BANNED_CONTEXTS = ("finalizer", "gc")
 # HybridEP's destructor waits on no peer: it is no collective (not in LIFECYCLE below).
 FREES = (
     "deepep destroy barrier",
+    "deepep nvshmem barrier",
+    "deepep nvshmem free",
+    "deepep nvshmem finalize",
     "deepepv2 destroy barrier",
+    "deepepv2 window deregister",
     "hybridep release_buffer",
     "ncclep ep_finalize",
+    "ncclep gin window deregister",
 )
 
 # The constructions among them: a backward may make a buffer (a recompute after a reset, DeepEP's
 # backward fetching one), as every rank of the group runs the same backward.
-CONSTRUCTIONS = ("hybridep handle exchange", "deepepv2 construct barrier", "ncclep ep_bootstrap")
+CONSTRUCTIONS = (
+    "hybridep handle exchange",
+    "deepepv2 construct barrier",
+    "ncclep ep_bootstrap",
+    "deepep nvshmem init",
+    "deepepv2 window register",
+    "hybridep rdma info exchange (combine)",
+    "hybridep rdma info exchange (dispatch)",
+    "ncclep gin window register",
+)
 
 # Collectives that create, release or synchronize a communication buffer (not a data move of a
 # dispatch or combine): none but a construction may run inside a backward.
@@ -100,11 +115,21 @@ LIFECYCLE = (
     "barrier",
     "monitored_barrier",
     "deepep destroy barrier",
+    "deepep nvshmem init",
+    "deepep nvshmem barrier",
+    "deepep nvshmem free",
+    "deepep nvshmem finalize",
     "deepepv2 destroy barrier",
     "deepepv2 construct barrier",
+    "deepepv2 window register",
+    "deepepv2 window deregister",
     "hybridep handle exchange",
+    "hybridep rdma info exchange (combine)",
+    "hybridep rdma info exchange (dispatch)",
     "ncclep ep_finalize",
     "ncclep ep_bootstrap",
+    "ncclep gin window register",
+    "ncclep gin window deregister",
 )
 
 # The entries of this process (the first MAX_ENTRIES: a long job's log is its file's).
@@ -341,10 +366,19 @@ class Fabric:
     barrier signals come from the IPC handles its constructor all-gathers over the group
     (deep_ep 94a9f8f ``deep_ep/buffer.py:94-100``): :func:`exchange` runs that all-gather of a
     token fresh per construction, and the tokens name the fabric. So a replaced peer (a fresh
-    process, which made none of the old buffers) meets the survivors' new buffers only."""
+    process, which made none of the old buffers) meets the survivors' new buffers only.
 
-    def __init__(self, group, what: str, tokens: Optional[List[str]] = None) -> None:
-        self.ranks = group_ranks(group) or (0,)
+    ``ranks`` (global ranks, default: the whole group) names the peers when they are a part of
+    the group: a node's NVLink peers, or an NVSHMEM job's PEs (DeepEP across nodes)."""
+
+    def __init__(
+        self,
+        group,
+        what: str,
+        tokens: Optional[List[str]] = None,
+        ranks: Optional[Sequence[int]] = None,
+    ) -> None:
+        self.ranks = tuple(ranks) if ranks is not None else (group_ranks(group) or (0,))
         tokens = tokens if tokens is not None else exchange(group)
         self.prefix = f"moe_release_fabric/{what}/{'-'.join(map(str, self.ranks))}/" + (
             "/".join(tokens) + "/"

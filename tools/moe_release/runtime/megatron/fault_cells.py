@@ -200,6 +200,9 @@ def _warnings(output: str, records) -> List[str]:
 # HybridEP's destructor, local on every rank: its NVLink buffer and, across nodes, its RDMA
 # coordinator's deregistration and frees (deep_ep 94a9f8f internode_doca.cu:698-787).
 HYBRIDEP_LOCAL = ("hybridep release_buffer", "hybridep rdma release")
+# NCCL EP's ep_finalize (and across teams the GIN window's deregistration after it): upstream's
+# own in destroy_model_parallel(), held against the base's cell, not here.
+NCCL_EP_FINALIZE = ("ncclep ep_finalize", "ncclep gin window deregister")
 
 
 def banned(entry: Dict[str, Any]) -> Optional[str]:
@@ -210,7 +213,7 @@ def banned(entry: Dict[str, Any]) -> Optional[str]:
     from moe_release.runtime.measure.faults import BANNED_CONTEXTS, CONSTRUCTIONS, FREES, LIFECYCLE
 
     ctx = entry.get("context") or []
-    if entry["op"] in (*FREES, *HYBRIDEP_LOCAL) and entry["op"] != "ncclep ep_finalize":
+    if entry["op"] in (*FREES, *HYBRIDEP_LOCAL) and entry["op"] not in NCCL_EP_FINALIZE:
         if "release" in ctx:
             return None
         if entry["op"] in HYBRIDEP_LOCAL:
