@@ -52,6 +52,28 @@ def test_hybridep_buffer_rows_are_the_planners_multi_node_terms(hidden, experts,
     assert sum(t.nbytes for t in emulated) > sum(t.nbytes for t in one_node)
 
 
+@pytest.mark.parametrize("hidden", [16, 64, 2048])
+def test_deepep_buffer_rows_are_the_planners_multi_node_terms(hidden, monkeypatch):
+    """2 nodes x 2 ranks: the buffer megatron-core's get_buffer asks of the emulation (the
+    maximum of the dispatch and combine configs' hints, fused_a2a.py) has an RDMA buffer, and
+    its terms equal the planner's at ranks_per_node 2 (DeepEP's node: min(ranks_per_node, 8))."""
+    from moe_release.runtime.kernels import deepep_emulation as dep
+
+    monkeypatch.setenv("MOE_RELEASE_RANKS_PER_NODE", "2")
+    world, hidden_bytes = 4, hidden * 4  # the report's model runs in fp32
+    configs = (dep.Buffer.get_dispatch_config(world), dep.Buffer.get_combine_config(world))
+    nvl = max(c.get_nvl_buffer_size_hint(hidden_bytes, world) for c in configs)
+    rdma = max(c.get_rdma_buffer_size_hint(hidden_bytes, world) for c in configs)
+    emulated = dep.buffer_terms(nvl, rdma)
+    assert rdma > 0 and any(t.name == "RDMA buffer (num_rdma_bytes)" for t in emulated)
+    pred, _ = _planner_terms("deepep", hidden, 8, 512, 2, 2, 0)
+    assert buffer_section.term_check_lines(pred["terms"], emulated) == [
+        f"  buffer terms: planner = emulation's reading of deep_ep, {len(emulated)} allocations"
+    ]
+    one_node, _ = _planner_terms("deepep", hidden, 8, 512, 1, 4, 0)
+    assert not any(t["name"] == "RDMA buffer (num_rdma_bytes)" for t in one_node["terms"])
+
+
 def test_a_differing_term_is_a_mismatch_not_a_pass():
     """The check can fail: one RDMA row off by a byte is named."""
     pred, planner = _planner_terms("hybridep", 64, 8, 512, 2, 2, 0)

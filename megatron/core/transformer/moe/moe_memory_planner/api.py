@@ -237,10 +237,11 @@ def not_priced(cfg: MoEMemoryConfig, buffers: Sequence[Term]) -> List[str]:
         return []
     backend = cfg.moe_flex_dispatcher_backend
     out = []
-    if backend == "deepep" and cfg.group_size > NUM_MAX_NVL_PEERS:
+    peers = min(cfg.ranks_per_node, NUM_MAX_NVL_PEERS)  # DeepEP's node (plan.buffer_terms)
+    if backend == "deepep" and cfg.group_size > peers:
         out.append(
             "NVSHMEM's own memory beyond num_rdma_bytes (DeepEP across "
-            f"{cfg.group_size // NUM_MAX_NVL_PEERS} nodes)"
+            f"{cfg.group_size // peers} nodes)"
         )
     nodes = hybridep_layout(cfg).nodes if backend == "hybridep" else 1
     if nodes > 1:

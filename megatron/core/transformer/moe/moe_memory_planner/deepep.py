@@ -95,10 +95,14 @@ DEEPEP_SOURCE = {
 }  # fmt: skip
 
 
-def deepep_nvl_bytes(hidden_bytes: int, group_size: int, num_sms: int, recv: int) -> int:
-    """``Config::get_nvl_buffer_size_hint`` (``csrc/config.hpp:51-73``), with NVSHMEM."""
-    rdma_ranks = max(group_size // NUM_MAX_NVL_PEERS, 1)
-    nvl_ranks = min(group_size, NUM_MAX_NVL_PEERS)
+def deepep_nvl_bytes(
+    hidden_bytes: int, group_size: int, num_sms: int, recv: int, nvl_peers: int = NUM_MAX_NVL_PEERS
+) -> int:
+    """``Config::get_nvl_buffer_size_hint`` (``csrc/config.hpp:51-73``), with NVSHMEM.
+    ``nvl_peers``: the ranks of a DeepEP node (the kernel's ``NUM_MAX_NVL_PEERS``; fewer on the
+    CPU runtime's scaled-down nodes, ``MOE_RELEASE_RANKS_PER_NODE``)."""
+    rdma_ranks = max(group_size // nvl_peers, 1)
+    nvl_ranks = min(group_size, nvl_peers)
     c = num_sms // 2
     b = c * nvl_ranks * (2 * rdma_ranks + 3) * INT32
     b += c * nvl_ranks * recv * (hidden_bytes + SOURCE_META_BYTES)
@@ -106,13 +110,21 @@ def deepep_nvl_bytes(hidden_bytes: int, group_size: int, num_sms: int, recv: int
     return _up(b, 128)
 
 
-def deepep_rdma_bytes(hidden_bytes: int, group_size: int, num_sms: int, send: int, recv: int):
-    """``Config::get_rdma_buffer_size_hint`` (``csrc/config.hpp:75-103``): 0 up to 8 ranks;
-    ``recv`` is first rounded up to a multiple of ``send`` (``config.hpp:45``)."""
-    if group_size <= NUM_MAX_NVL_PEERS:
+def deepep_rdma_bytes(
+    hidden_bytes: int,
+    group_size: int,
+    num_sms: int,
+    send: int,
+    recv: int,
+    nvl_peers: int = NUM_MAX_NVL_PEERS,
+):
+    """``Config::get_rdma_buffer_size_hint`` (``csrc/config.hpp:75-103``): 0 on one node (up
+    to ``nvl_peers`` ranks, 8 on a GPU); ``recv`` is first rounded up to a multiple of ``send``
+    (``config.hpp:45``). The counters' ``NUM_MAX_NVL_PEERS`` is the compile-time 8 always."""
+    if group_size <= nvl_peers:
         return 0
     recv = _up(recv, send)
-    c, rr = num_sms // 2, group_size // NUM_MAX_NVL_PEERS
+    c, rr = num_sms // 2, group_size // nvl_peers
     b = c * rr * (NUM_MAX_NVL_PEERS * 2 + 2) * 2 * INT32
     b += c * rr * recv * (hidden_bytes + SOURCE_META_BYTES) * 2
     b += c * rr * recv * MAX_TOPK * (INT64 + FP32 + FP32) * 2
@@ -125,14 +137,16 @@ def deepep_buffer_terms(
     group_size: int,
     num_sms: int = DEFAULT_DEEPEP_SMS,
     source: str = "hybrid-ep",
+    nvl_peers: int = NUM_MAX_NVL_PEERS,
 ) -> List[Term]:
     """One rank's ``deep_ep.Buffer`` as megatron-core's ``get_buffer`` builds it: the byte
     hints are the maximum over the dispatch and combine configs for the group
     (``fused_a2a.py`` ``get_buffer``), so the size does not depend on the token count.
     ``hidden_bytes`` is ``H x max(element size, 2)`` (``fused_a2a.py`` ``get_hidden_bytes``).
     ``source`` is the deep_ep read (:data:`DEEPEP_SOURCE`): ``hybrid-ep`` (``DEEP_EP_COMMIT``)
-    or ``main`` (``DEEP_EP_MAIN_COMMIT``), whose configs differ. A group size the source has no
-    config for is a ValueError citing the line that refuses it."""
+    or ``main`` (``DEEP_EP_MAIN_COMMIT``), whose configs differ. ``nvl_peers``: the ranks of a
+    DeepEP node (:func:`deepep_nvl_bytes`). A group size the source has no config for is a
+    ValueError citing the line that refuses it."""
     src = DEEPEP_SOURCE[source]
     if group_size not in src.dispatch:
         raise ValueError(
@@ -140,8 +154,10 @@ def deepep_buffer_terms(
             f"{sorted(src.dispatch)})"
         )
     configs = (src.dispatch[group_size], src.combine[group_size])
-    nvl = max(deepep_nvl_bytes(hidden_bytes, group_size, num_sms, c[1]) for c in configs)
-    rdma = max(deepep_rdma_bytes(hidden_bytes, group_size, num_sms, c[2], c[3]) for c in configs)
+    nvl = max(deepep_nvl_bytes(hidden_bytes, group_size, num_sms, c[1], nvl_peers)
+              for c in configs)  # fmt: skip
+    rdma = max(deepep_rdma_bytes(hidden_bytes, group_size, num_sms, c[2], c[3], nvl_peers)
+               for c in configs)  # fmt: skip
     t = [
         Term("NVLink buffer (num_nvl_bytes)", nvl, OUTSIDE, src.nvl_hint_at,
              f"one cudaMalloc shared over CUDA IPC ({src.nvl_alloc_at})"),

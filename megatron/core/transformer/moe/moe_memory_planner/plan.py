@@ -91,7 +91,10 @@ def buffer_terms(cfg: MoEMemoryConfig) -> List[Term]:
         # fused_a2a.get_hidden_bytes: H x max(element size, 2).
         hidden_bytes = cfg.hidden_size * max(BF16 if cfg.bf16 else FP32, 2)
         try:
-            return deepep_buffer_terms(hidden_bytes, cfg.group_size, sms, cfg.deep_ep)
+            # DeepEP's node is its 8 NVLink peers (NUM_MAX_NVL_PEERS, also on an NVL72 rack),
+            # or a smaller ranks_per_node (the CPU runtime's scaled-down nodes).
+            peers = min(cfg.ranks_per_node, NUM_MAX_NVL_PEERS)
+            return deepep_buffer_terms(hidden_bytes, cfg.group_size, sms, cfg.deep_ep, peers)
         except ValueError as exc:
             raise ValueError(
                 f"expert_model_parallel_size: ETP x EP = {cfg.group_size}: {exc}"
