@@ -74,6 +74,40 @@ def test_deepep_buffer_rows_are_the_planners_multi_node_terms(hidden, monkeypatc
     assert not any(t["name"] == "RDMA buffer (num_rdma_bytes)" for t in one_node["terms"])
 
 
+@pytest.mark.parametrize(
+    "ranks, per_node, tokens, hidden, topk",
+    [(4, 2, 8, 256, 2), (4, 2, 512, 256, 2), (64, 8, 4096, 7168, 8)],
+)
+def test_deepep_v2_window_across_nodes_is_the_planners(ranks, per_node, tokens, hidden, topk):
+    """DeepEP v2's hybrid layout: the data buffer the emulation sizes (calculate_buffer_size,
+    buffer.hpp:529-629) is the planner's, across 2 domains of 2 and 8 of 8 ranks."""
+    from moe_release.runtime.kernels import deepep_v2_emulation as v2
+
+    planner = load_planner()
+    emulated = v2.buffer_size_hint(ranks, tokens, hidden, topk,
+                                   num_scaleout_ranks=ranks // per_node)  # fmt: skip
+    terms = planner.deepep_v2_buffer_terms(ranks, tokens, hidden, topk, ranks_per_node=per_node)
+    data = next(t for t in terms if t.name.startswith("symmetric window: data buffer"))
+    assert data.nbytes == emulated
+    one = planner.deepep_v2_buffer_terms(ranks, tokens, hidden, topk)
+    assert next(t.nbytes for t in one if t.name.startswith("symmetric window: data")) != emulated
+
+
+@pytest.mark.parametrize(
+    "ranks, per_node, experts, tokens, hidden",
+    [(4, 2, 4, 8, 64), (4, 2, 8, 512, 64), (64, 8, 256, 4096, 7168)],
+)
+def test_nccl_ep_gin_buffer_across_nodes_is_the_planners(ranks, per_node, experts, tokens, hidden):
+    """NCCL EP's GIN buffer across LSA teams (nccl_ep.cc:1300-1358): the emulation's regions
+    sum to the planner's; one team has none."""
+    from moe_release.runtime.kernels.te_ep_emulation import sizes
+
+    planner = load_planner()
+    emulated = sum(n for _, n in sizes.gin_buffer_terms(ranks, per_node, experts, tokens, hidden))
+    assert emulated == planner.nccl_ep_gin_bytes(ranks, per_node, experts, tokens, hidden) > 0
+    assert planner.nccl_ep_gin_bytes(ranks, ranks, experts, tokens, hidden) == 0
+
+
 def test_a_differing_term_is_a_mismatch_not_a_pass():
     """The check can fail: one RDMA row off by a byte is named."""
     pred, planner = _planner_terms("hybridep", 64, 8, 512, 2, 2, 0)
