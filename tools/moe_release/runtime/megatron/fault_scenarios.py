@@ -512,18 +512,21 @@ def _second_port(job: Path) -> int:
 
 
 def _new_world(port: int, spec: Dict[str, Any]) -> None:
-    """The world re-formed with the replacement: a new rendezvous on ``port``."""
+    """The world re-formed with the replacement: a new rendezvous on ``port``. The rendezvous
+    waits up to j's bound for the replacement, a fresh interpreter that imports torch and
+    megatron-core first (seconds on a loaded host); the group's collectives keep the short
+    timeout."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], port, world, is_master=rank == 0,
+                          timeout=timedelta(seconds=BOUNDS["j"]))  # fmt: skip
     dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{os.environ['MASTER_ADDR']}:{port}",
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
+        "gloo", store=store, rank=rank, world_size=world,
         timeout=timedelta(seconds=spec["gloo_timeout"]),
-    )
+    )  # fmt: skip
 
 
 def _after_restart(r: _Rank, backend: str) -> None:
