@@ -20,9 +20,11 @@ the process group, and its timeout.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -94,6 +96,72 @@ def test_fault_cell_against_the_base_run_live(patched_tree, base_tree, scenario,
     measured now beside the tree's."""
     base = fc.summary(fc.run_cell(base_tree, scenario, backend))
     _check(patched_tree, scenario, backend, base)
+
+
+# -- across nodes ------------------------------------------------------------------------------
+
+# The cells of the default run on 2 emulated nodes x 2 ranks: the restart recipe x5 (an agreed
+# release over the world and a flat footprint, where every free but HybridEP's is a collective
+# over ranks on both nodes) on every flex backend, and a peer on the other node that never
+# tears down on the two whose teardown could wait for it.
+NODES_DEFAULT = [("d", b) for b in backends.NAMES] + [("c2", "hybridep"), ("c2", "deepep")]
+
+
+def _node_cases(cells):
+    return [
+        pytest.param(
+            s,
+            b,
+            id=f"{s}-{b}-2x2",
+            marks=[pytest.mark.flex_backend(b)] if b in backends.ONLY_SOME_TREES else [],
+        )
+        for s, b in cells
+        if fs.applies(s, b)
+    ]
+
+
+def _check_nodes(tree: str, scenario: str, backend: str, base: Optional[dict]) -> None:
+    cell = fc.run_cell(tree, scenario, backend, world=fs.NODES_WORLD,
+                       ranks_per_node=fs.NODES_RANKS_PER_NODE)  # fmt: skip
+    assert len(cell["ranks"]) == fs.NODES_WORLD
+    bad = fc.violations(scenario, fc.summary(cell), base)
+    tails = "\n".join(
+        f"--- rank {i} (exit {r['rc']}) ---\n{r['output_tail'][-800:]}"
+        for i, r in enumerate(cell["ranks"])
+    )
+    assert not bad, f"fault cell {scenario}/{backend} on 2 x 2: " + "; ".join(bad) + "\n" + tails
+
+
+@pytest.mark.parametrize("scenario,backend", _node_cases(NODES_DEFAULT))
+def test_fault_cell_across_nodes(patched_tree, scenario, backend):
+    """On 2 emulated nodes x 2 ranks the cell passes the pass rule (the full product, against
+    the base measured live, is ``slow``; docs/fault-matrix.md has both)."""
+    _check_nodes(patched_tree, scenario, backend, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "scenario,backend",
+    _node_cases([(s, b) for s in fs.NODES_SCENARIOS for b in fs.BACKENDS]),
+)
+def test_fault_cell_across_nodes_against_the_base_run_live(
+    patched_tree, base_tree, scenario, backend
+):
+    """Every scenario that changes across nodes, on every backend, on 2 x 2: no worse than the
+    base's cell measured now. Where the base's cell breaks a rule (NCCL EP's ep_finalize in
+    upstream's teardown, DeepEP's finalizer frees), the series may break only rules the base
+    breaks too (docs/fault-matrix.md names them)."""
+    base = fc.summary(fc.run_cell(base_tree, scenario, backend, world=fs.NODES_WORLD,
+                                  ranks_per_node=fs.NODES_RANKS_PER_NODE))  # fmt: skip
+    theirs = fc.violations(scenario, base, None)
+    if not theirs:
+        _check_nodes(patched_tree, scenario, backend, base)
+        return
+    cell = fc.run_cell(patched_tree, scenario, backend, world=fs.NODES_WORLD,
+                       ranks_per_node=fs.NODES_RANKS_PER_NODE)  # fmt: skip
+    ours = fc.violations(scenario, fc.summary(cell), base)
+    kind = lambda v: re.sub(r"[\d.,]+|\[.*", "#", v.split(":")[0])  # noqa: E731
+    assert {kind(v) for v in ours} <= {kind(v) for v in theirs}, (ours, theirs)
 
 
 # -- the stand-ins -----------------------------------------------------------------------------
