@@ -33,7 +33,6 @@ from moe_release.series.verbs.apply import (
 )
 from moe_release.series.verbs.sweep import BORROWED, CODES, SETTLED, summary_lines, sweep
 
-MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
 TD = "megatron/core/transformer/moe/token_dispatcher.py"
 FA = "megatron/core/transformer/moe/fused_a2a.py"
 PS = "megatron/core/transformer/moe/paged_stash.py"
@@ -649,13 +648,14 @@ def test_apply_help():
     assert done.returncode == 0 and "--dry-run" in done.stdout and "--out DIR" in done.stdout
 
 
-@pytest.mark.skipif(not MIRROR.is_dir(), reason="no Megatron-LM mirror here")
+@pytest.mark.needs_env(CHECKOUT_ENV)
 def test_on_the_mirror_each_pinned_commit_takes_its_own_series():
     """On the real mirror, each pinned commit is its own series' base: every patch applies."""
-    co = open_checkout(MIRROR)
+    mirror = Path(settings.megatron_lm())
+    co = open_checkout(mirror)
     for ref, series in (("d98e8a6", "patches/upstream/main"), ("d48bd6b", "patches/upstream/dev")):
         try:
-            _, result, _ = run_apply(MIRROR, ref, dry_run=True)
+            _, result, _ = run_apply(mirror, ref, dry_run=True)
         except UserError as exc:
             pytest.fail(str(exc))
         assert result.choice.base.series == series and result.ok

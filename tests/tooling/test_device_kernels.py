@@ -112,3 +112,10 @@ def test_the_real_folder_fits_what_the_device_tool_carries(tmp_path):
     assert dk.size(dest) + dk.tracked_size() < dk.CARRY_LIMIT, lines
     assert (dest / "deep_ep" / "setup.py").is_file()
     assert (dest / "deep_ep" / "csrc" / "hybrid_ep" / "hybrid_ep.cu").is_file()
+
+
+def test_without_a_deep_ep_repository_it_says_how_to_name_one(monkeypatch, capsys, tmp_path):
+    monkeypatch.delenv("DEEP_EP_SRC", raising=False)
+    assert dk.main(["prepare", "--out", str(tmp_path / "k")]) == 2
+    assert "--deep-ep PATH or DEEP_EP_SRC=PATH" in capsys.readouterr().err
+    assert not (tmp_path / "k").exists()

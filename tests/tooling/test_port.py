@@ -8,6 +8,7 @@ from pathlib import Path
 
 from conftest import AUTHOR, REPO_ROOT, TRAILERS, run_git
 
+from moe_release import settings
 from moe_release.series.git import create_edit_repo, export_series
 from moe_release.series.patches import parse_patch, parse_series
 from moe_release.series.pins import load_pins
@@ -22,7 +23,8 @@ from moe_release.series.verbs.port import (
     target_name,
 )
 
-MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
+# A Megatron-LM repository holding the commit bases, where settings name one (none in CI).
+MIRROR = Path(settings.megatron_lm() or "/nonexistent")
 COMMIT_TARGETS = [target_name(b) for b in load_pins().bases.values() if b.is_commit]
 BACKPORTS = [n for n in all_target_names() if n not in COMMIT_TARGETS]
 # The upstream variants are Megatron-LM commits: ported where a Megatron-LM repository holding

@@ -39,7 +39,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 RUN = REPO_ROOT / "scripts" / "upstream_cpu" / "run.py"
 UPSTREAM_TESTS = REPO_ROOT / "patches" / "upstream" / "tests"
 WIRING = Path(__file__).resolve().parent / "upstream_standin" / "standin_placement_wiring.py"
-MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
 MOE = "tests/unit_tests/transformer/moe"
 
 
@@ -479,15 +478,16 @@ def test_every_test_fails_on_the_base_and_passes_on_the_series(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.needs_env("MOE_RELEASE_MEGATRON_LM")
 def test_upstream_moe_tests_on_a_snapshot_with_and_without_the_series(tmp_path):
-    """Upstream's own all-to-all dispatcher tests on core_r0.19.0 (the read-only mirror's
-    snapshot; absent on CI): the same outcomes with the series git-am'd as without it."""
-    if not (MIRROR / "HEAD").exists():
-        pytest.skip(f"no Megatron-LM mirror at {MIRROR}")
+    """Upstream's own all-to-all dispatcher tests on core_r0.19.0 (a Megatron-LM repository's
+    snapshot, ``MOE_RELEASE_MEGATRON_LM``; absent on CI): the same outcomes with the series
+    git-am'd as without it."""
+    mirror = Path(settings.megatron_lm())
     checkout = tmp_path / "Megatron-LM"
     checkout.mkdir()
     archive = subprocess.run(
-        ["git", f"--git-dir={MIRROR}", "archive", "core_r0.19.0"], capture_output=True, check=True
+        ["git", "-C", str(mirror), "archive", "core_r0.19.0"], capture_output=True, check=True
     )
     subprocess.run(["tar", "-x", "-C", str(checkout)], input=archive.stdout, check=True)
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "-C", str(checkout)]

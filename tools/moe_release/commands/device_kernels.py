@@ -36,7 +36,6 @@ SCRIPT = Path("scripts") / "device-kernels.sh"
 DEEP_EP_PIN = "de0dd1185142c727b9c118aeb4cc4702e34deeba"
 # The newest hybrid-ep commit the read-only mirror has, the emulations' source.
 DEEP_EP_NEAREST = "94a9f8f6b146c07d97ec58f67cd6d303296d6098"
-DEEP_EP_MIRROR = Path("/work/.mirror/deepseek-ai+DeepEP/repo")
 # What travels: the device tool's limit on the working tree plus carried paths.
 CARRY_LIMIT = 64 * 1024 * 1024
 
@@ -144,14 +143,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         prog="device-check kernels", description=__doc__.split("\n")[0]
     )
     parser.add_argument("verb", choices=["prepare"])
-    parser.add_argument("--deep-ep", type=Path, default=None, help="a deep_ep git repository "
-                        f"(default: $DEEP_EP_SRC, else {DEEP_EP_MIRROR})")  # fmt: skip
+    parser.add_argument("--deep-ep", type=Path, default=None,
+                        help="a deep_ep git repository (default: $DEEP_EP_SRC)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=REPO / FOLDER)
     args = parser.parse_args(argv)
-    source = args.deep_ep or Path(settings.deep_ep_src() or DEEP_EP_MIRROR)
+    source = args.deep_ep or settings.deep_ep_src()
     try:
+        if source is None:
+            raise PrepareError("name a deep_ep git repository with the hybrid-ep branch: "
+                               "--deep-ep PATH or DEEP_EP_SRC=PATH")  # fmt: skip
         base, patched = ensure_trees(REPO)
-        lines = prepare(args.out, source, base, patched)
+        lines = prepare(args.out, Path(source), base, patched)
     except PrepareError as exc:
         print(f"device-check kernels: {exc}", file=sys.stderr)
         return 2
