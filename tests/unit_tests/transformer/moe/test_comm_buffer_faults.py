@@ -69,8 +69,11 @@ def _golden(tree: str) -> dict:
     return data["bases"][key]
 
 
-def _check(tree: str, scenario: str, backend: str, base: dict) -> None:
-    cell = fc.run_cell(tree, scenario, backend)
+def _check(tree: str, scenario: str, backend: str, base: Optional[dict], **layout) -> None:
+    """Run the cell (``layout``: run_cell's world and ranks_per_node) and hold it to the pass
+    rule against ``base``."""
+    cell = fc.run_cell(tree, scenario, backend, **layout)
+    assert len(cell["ranks"]) == layout.get("world", fs.WORLD)
     summary = fc.summary(cell)
     bad = fc.violations(scenario, summary, base)
     tails = "\n".join(
@@ -120,23 +123,14 @@ def _node_cases(cells):
     ]
 
 
-def _check_nodes(tree: str, scenario: str, backend: str, base: Optional[dict]) -> None:
-    cell = fc.run_cell(tree, scenario, backend, world=fs.NODES_WORLD,
-                       ranks_per_node=fs.NODES_RANKS_PER_NODE)  # fmt: skip
-    assert len(cell["ranks"]) == fs.NODES_WORLD
-    bad = fc.violations(scenario, fc.summary(cell), base)
-    tails = "\n".join(
-        f"--- rank {i} (exit {r['rc']}) ---\n{r['output_tail'][-800:]}"
-        for i, r in enumerate(cell["ranks"])
-    )
-    assert not bad, f"fault cell {scenario}/{backend} on 2 x 2: " + "; ".join(bad) + "\n" + tails
+NODES = {"world": fs.NODES_WORLD, "ranks_per_node": fs.NODES_RANKS_PER_NODE}
 
 
 @pytest.mark.parametrize("scenario,backend", _node_cases(NODES_DEFAULT))
 def test_fault_cell_across_nodes(patched_tree, scenario, backend):
     """On 2 emulated nodes x 2 ranks the cell passes the pass rule (the full product, against
     the base measured live, is ``slow``; docs/fault-matrix.md has both)."""
-    _check_nodes(patched_tree, scenario, backend, None)
+    _check(patched_tree, scenario, backend, None, **NODES)
 
 
 @pytest.mark.slow
@@ -151,14 +145,12 @@ def test_fault_cell_across_nodes_against_the_base_run_live(
     base's cell measured now. Where the base's cell breaks a rule (NCCL EP's ep_finalize in
     upstream's teardown, DeepEP's finalizer frees), the series may break only rules the base
     breaks too (docs/fault-matrix.md names them)."""
-    base = fc.summary(fc.run_cell(base_tree, scenario, backend, world=fs.NODES_WORLD,
-                                  ranks_per_node=fs.NODES_RANKS_PER_NODE))  # fmt: skip
+    base = fc.summary(fc.run_cell(base_tree, scenario, backend, **NODES))
     theirs = fc.violations(scenario, base, None)
     if not theirs:
-        _check_nodes(patched_tree, scenario, backend, base)
+        _check(patched_tree, scenario, backend, base, **NODES)
         return
-    cell = fc.run_cell(patched_tree, scenario, backend, world=fs.NODES_WORLD,
-                       ranks_per_node=fs.NODES_RANKS_PER_NODE)  # fmt: skip
+    cell = fc.run_cell(patched_tree, scenario, backend, **NODES)
     ours = fc.violations(scenario, fc.summary(cell), base)
     kind = lambda v: re.sub(r"[\d.,]+|\[.*", "#", v.split(":")[0])  # noqa: E731
     assert {kind(v) for v in ours} <= {kind(v) for v in theirs}, (ours, theirs)

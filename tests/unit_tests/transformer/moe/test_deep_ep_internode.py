@@ -234,12 +234,11 @@ def _setup(ranks_per_node):
 def _layer_step():
     """megatron-core's MoELayer (flex dispatcher, deepep) forward and backward, the weights and
     inputs global-seeded (the same on any layout); its results and buffer."""
-    import torch.distributed as dist
+    import torch
 
     from megatron.core.transformer.moe import fused_a2a
     from moe_release.runtime.cuda.compat import held_comm_buffers
-    from moe_release.runtime.megatron import moe_harness
-    from tests.unit_tests.transformer.moe import moe_cpu_harness as harness
+    from tests.unit_tests.transformer.moe import test_comm_buffers
 
     handles = []
     original = deepep_emulation.Buffer.internode_dispatch
@@ -251,28 +250,23 @@ def _layer_step():
         return out
 
     deepep_emulation.Buffer.internode_dispatch = spy
-    config = moe_harness.moe_config("deepep", WORLD)
-    layer = moe_harness.build_moe_layer(config)
-    layer.train()
-    harness.load_layer_weights(layer, config)
-    rank = dist.get_rank()
-    xs = harness.seeded((WORLD, TOKENS, config.hidden_size), 99)
-    x = xs[rank].clone().view(TOKENS, 1, -1).requires_grad_()
-    out, _ = layer(x)
-    out.backward(harness.seeded((TOKENS, config.hidden_size), 100 + rank).view_as(out))
-    deepep_emulation.Buffer.internode_dispatch = original
+    try:
+        layer, out, x_grad = test_comm_buffers._layer_step("deepep", WORLD)
+    finally:
+        deepep_emulation.Buffer.internode_dispatch = original
     (buffer,) = held_comm_buffers(fused_a2a)
     grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    x = torch.empty(TOKENS, layer.config.hidden_size, dtype=layer.config.params_dtype)
     res = {
-        "out": out.detach().clone(),
-        "x_grad": x.grad.clone(),
+        "out": out,
+        "x_grad": x_grad,
         "grads": grads,
         "num_nvl_bytes": buffer.num_nvl_bytes,
         "num_rdma_bytes": buffer.num_rdma_bytes,
         "nbytes": buffer.nbytes,
         "layout": tuple(buffer.layout),
         "handles": handles,
-        "hidden_bytes": fused_a2a.get_hidden_bytes(x.view(TOKENS, -1)),
+        "hidden_bytes": fused_a2a.get_hidden_bytes(x),
     }
     return res, buffer
 

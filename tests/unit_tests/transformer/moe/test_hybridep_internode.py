@@ -26,7 +26,6 @@ import pytest
 
 THIS = "tests.unit_tests.transformer.moe.test_hybridep_internode"
 WORLD, PER_NODE = 4, 2
-TOKENS = 12
 LAYOUT_ENV = "MOE_RELEASE_RANKS_PER_NODE"
 
 
@@ -44,25 +43,15 @@ def _release_ops(entries, start: int):
 
 
 def _layer_step(seed: int = 99):
-    """megatron-core's MoELayer (flex, hybridep; global-seeded weights), forward and backward:
-    the output, the input's gradient and every parameter's."""
+    """megatron-core's MoELayer (flex, hybridep; global-seeded weights), forward and backward
+    (test_comm_buffers' step): the output, the input's gradient and every parameter's."""
     import torch.distributed as dist
 
-    from moe_release.runtime.megatron import moe_harness
-    from tests.unit_tests.transformer.moe import moe_cpu_harness as harness
+    from tests.unit_tests.transformer.moe import test_comm_buffers
 
-    config = moe_harness.moe_config("hybridep", dist.get_world_size())
-    layer = moe_harness.build_moe_layer(config)
-    layer.train()
-    harness.load_layer_weights(layer, config)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    xs = harness.seeded((world, TOKENS, config.hidden_size), seed).to(config.params_dtype)
-    x = xs[rank].clone().view(TOKENS, 1, -1).requires_grad_()
-    out, _ = layer(x)
-    grad = harness.seeded((TOKENS, config.hidden_size), seed + 1 + rank)
-    out.backward(grad.to(out.dtype).view_as(out))
+    layer, out, x_grad = test_comm_buffers._layer_step("hybridep", dist.get_world_size(), seed)
     grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
-    return out.detach().clone(), x.grad.clone(), grads
+    return out, x_grad, grads
 
 
 def _held_buffer():

@@ -633,6 +633,26 @@ class Buffer:
             recvs = torch.diff(column, prepend=column.new_zeros(1)).tolist()
         return send_token_ids, sends, list(recvs)
 
+    def _recv_topk(
+        self, topk_idx, topk_weights, send_token_ids, sends, recvs, num_experts, alignment
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor], List[int]]:
+        """The received rows' top-k indices made local (``-1`` for other ranks' experts), their
+        weights (``0`` there) and the tokens per local expert (rounded up to ``alignment``),
+        as both dispatches return them."""
+        recv_idx = all_to_all(topk_idx.long()[send_token_ids], sends, recvs, self.group)
+        local = num_experts // self.group_size
+        begin = self.rank * local
+        mine = (recv_idx >= begin) & (recv_idx < begin + local)
+        recv_topk_idx = torch.where(mine, recv_idx - begin, torch.full_like(recv_idx, -1))
+        recv_topk_weights = None
+        if topk_weights is not None:
+            w = all_to_all(topk_weights.float()[send_token_ids], sends, recvs, self.group)
+            recv_topk_weights = torch.where(mine, w, torch.zeros_like(w))
+        per_expert = [count_set(recv_topk_idx == e) for e in range(local)]
+        if alignment > 1:
+            per_expert = [c + (-c % alignment) for c in per_expert]
+        return recv_topk_idx, recv_topk_weights, per_expert
+
     def dispatch(
         self,
         x: torch.Tensor,
@@ -694,18 +714,9 @@ class Buffer:
         send_token_ids, _ = sent_token_ids(send_head)
         recv_x = all_to_all(x[send_token_ids], sends, recvs, self.group)
         recv_src_idx = all_to_all(send_token_ids.to(torch.int32), sends, recvs, self.group)
-        recv_idx = all_to_all(topk_idx.long()[send_token_ids], sends, recvs, self.group)
-        local = num_experts // size
-        begin = rank * local
-        mine = (recv_idx >= begin) & (recv_idx < begin + local)
-        recv_topk_idx = torch.where(mine, recv_idx - begin, torch.full_like(recv_idx, -1))
-        recv_topk_weights = None
-        if topk_weights is not None:
-            w = all_to_all(topk_weights.float()[send_token_ids], sends, recvs, self.group)
-            recv_topk_weights = torch.where(mine, w, torch.zeros_like(w))
-        per_expert = [count_set(recv_topk_idx == e) for e in range(local)]
-        if expert_alignment > 1:
-            per_expert = [c + (-c % expert_alignment) for c in per_expert]
+        recv_topk_idx, recv_topk_weights, per_expert = self._recv_topk(
+            topk_idx, topk_weights, send_token_ids, sends, recvs, num_experts, expert_alignment
+        )
         prefix, running = [], [0] * size
         for s in range(size):
             running = [a + b for a, b in zip(running, counts_all[s])]
@@ -953,18 +964,9 @@ class Buffer:
         ids = [torch.nonzero(in_rank[:, d]).flatten() for d in range(size)]
         send_token_ids = torch.cat(ids)
         recv_x = all_to_all(x[send_token_ids], sends, recvs, group)
-        recv_idx = all_to_all(topk_idx.long()[send_token_ids], sends, recvs, group)
-        local_experts = num_experts // size
-        begin = rank * local_experts
-        mine = (recv_idx >= begin) & (recv_idx < begin + local_experts)
-        recv_topk_idx = torch.where(mine, recv_idx - begin, torch.full_like(recv_idx, -1))
-        recv_topk_weights = None
-        if topk_weights is not None:
-            w = all_to_all(topk_weights.float()[send_token_ids], sends, recvs, group)
-            recv_topk_weights = torch.where(mine, w, torch.zeros_like(w))
-        per_expert = [count_set(recv_topk_idx == e) for e in range(local_experts)]
-        if expert_alignment > 1:
-            per_expert = [c + (-c % expert_alignment) for c in per_expert]
+        recv_topk_idx, recv_topk_weights, per_expert = self._recv_topk(
+            topk_idx, topk_weights, send_token_ids, sends, recvs, num_experts, expert_alignment
+        )
         # SourceMeta of every sent row: this rank's node, and which ranks of the destination's
         # node take the token (one bit each).
         place = torch.pow(2, torch.arange(per, dtype=torch.int32, device=dev)).to(torch.int32)
