@@ -2,6 +2,7 @@
 the ``needs_env`` marker (deselected where the variable is unset)."""
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -56,11 +57,22 @@ def run_git(repo: Path, *args: str, **env: str) -> str:
     return git(repo, *args, env=git_env(env)).decode()
 
 
-TRAILERS = (
-    "Signed-off-by: Test Maintainer <test@moe-release.invalid>\n"
-    "Forwarded: no\n"
-    "Origin: vendor, moe-release\n"
-)
+def name_for(subject: str) -> str:
+    """A test patch's name: its subject's words, lower case, joined by ``-`` (the fixtures'
+    convention; a real patch's name is chosen once and kept)."""
+    return "-".join(re.findall(r"[a-z0-9]+", re.sub(r"^\[MoE\]", "", subject).lower()))
+
+
+def trailers(name: str) -> str:
+    """The trailers every series patch carries, its name among them."""
+    return (
+        "Signed-off-by: Test Maintainer <test@moe-release.invalid>\n"
+        f"Patch-Name: {name}\n"
+        "Forwarded: no\n"
+        "Origin: vendor, moe-release\n"
+    )
+
+
 AUTHOR = dict(
     GIT_AUTHOR_NAME="Test Maintainer",
     GIT_AUTHOR_EMAIL="test@moe-release.invalid",

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import AUTHOR, REPO_ROOT, TRAILERS
+from conftest import AUTHOR, REPO_ROOT, trailers
 
 from moe_release import settings
 from moe_release.series import cli
@@ -23,6 +23,7 @@ from moe_release.series.checkout import (
 from moe_release.series.common import UserError
 from moe_release.series.git import format_patches, git, git_env
 from moe_release.series.merge import Resolution, file_diff, has_markers, merge_file
+from moe_release.series.pins import load_pins
 from moe_release.series.source import CHECKOUT_ENV
 from moe_release.series.verbs import apply as apply_mod
 from moe_release.series.verbs.apply import (
@@ -31,6 +32,7 @@ from moe_release.series.verbs.apply import (
     resolution_path,
     run_apply,
 )
+from moe_release.series.verbs.check import check_base
 from moe_release.series.verbs.sweep import BORROWED, CODES, SETTLED, summary_lines, sweep
 
 TD = "megatron/core/transformer/moe/token_dispatcher.py"
@@ -97,9 +99,15 @@ for _i in range(3, 8):
     DEV_TD = DEV_TD.replace(f"return {_i}\n", f"return {_i}{_i}\n")
 RELEASE = "        self.routing_map = None\n        self.probs = None\n"
 CLONED = "= tokens.clone()  # the state is released below\n"
-P_STASH = "MoE-Let-the-paged-stash-import-without-Triton.patch"
-P_RELEASE = "MoE-Release-dispatcher-state-after-combine.patch"
-P_BUFFER = "MoE-Keep-one-buffer-per-process-group.patch"
+P_STASH = "cpu-import.patch"
+P_RELEASE = "flex-dispatcher-state.patch"
+P_BUFFER = "hybridep-buffer-per-group.patch"
+# The synthetic patches' subjects and the primary patches whose names they carry.
+NAMES = {
+    "[MoE] Let the paged stash import without Triton": "cpu-import",
+    "[MoE] Release dispatcher state after combine": "flex-dispatcher-state",
+    "[MoE] Keep one buffer per process group": "hybridep-buffer-per-group",
+}
 
 
 def _git(repo: Path, *args: str, date: str = "2026-06-01T12:00:00+00:00") -> str:
@@ -121,11 +129,13 @@ def _commit(repo: Path, date: str, msg: str, files: dict) -> str:
 
 
 def _series(work: Path, base: str, changes: list) -> list:
-    """The series (file name, mbox) of ``changes`` (subject, files) made on ``base``."""
+    """The series (file name, mbox) of ``changes`` (subject, files) made on ``base``, each patch
+    named as the primary patch it stands for (:data:`NAMES`)."""
     _git(work, "checkout", "--quiet", "--detach", base)
     _git(work, "tag", "-f", "base", base)
     for subject, files in changes:
-        _commit(work, "2026-11-29T12:00:00+00:00", f"{subject}\n\nBody.\n\n{TRAILERS}", files)
+        msg = f"{subject}\n\nBody.\n\n{trailers(NAMES[subject])}"
+        _commit(work, "2026-11-29T12:00:00+00:00", msg, files)
     out = format_patches(work)
     _git(work, "checkout", "--quiet", "main")
     return out
@@ -299,6 +309,33 @@ def _store_c1_resolution(m: Path, c: dict, repo: Path) -> tuple[Path, str]:
     return path, resolved
 
 
+def test_a_new_subject_changes_one_line(mlm, monkeypatch):
+    """A patch is named by its Patch-Name: trailer, never by its subject: rewording the subject
+    of the release patch, which has a recorded resolution, changes that one line of the
+    repository; check passes and apply replays the record, with the same verdicts."""
+    m, c, repo = mlm
+    _store_c1_resolution(m, c, repo)
+    _, before, _ = run_apply(m, c[1], dry_run=True, root=repo)
+    files = {p: p.read_bytes() for p in repo.rglob("*") if p.is_file()}
+    path = repo / "patches" / "upstream" / "main" / P_RELEASE
+    old = b"Subject: [MoE] Release dispatcher state after combine\n"
+    new = b"Subject: [MoE] Drop the routing state once combine is done\n"
+    assert old in files[path]
+    path.write_bytes(files[path].replace(old, new, 1))
+    changed = [p for p in repo.rglob("*") if p.is_file() and p.read_bytes() != files.get(p)]
+    assert changed == [path]
+    lines = set(files[path].splitlines()) ^ set(path.read_bytes().splitlines())
+    assert lines == {old.rstrip(), new.rstrip()}
+    monkeypatch.setenv(CHECKOUT_ENV, str(m))
+    pins = load_pins(repo / "patches" / "pins.toml")
+    assert check_base(pins.get(f"main-{c['B'][:7]}"), repo) == []
+    _, after, _ = run_apply(m, c[1], dry_run=True, root=repo)
+    assert [(o.patch, o.verdict, o.note) for o in after.outcomes] == [
+        (o.patch, o.verdict, o.note) for o in before.outcomes
+    ]
+    assert _verdicts(after)[P_RELEASE] == REPLAYED
+
+
 def test_one_record_serves_the_commits_after_it(mlm, capsys):
     """A resolution recorded at c1 is replayed at d0, which descends from c1 and conflicts the
     same way (one record per era, not per commit); at c2, where the merge is clean, it is not
@@ -363,7 +400,7 @@ def test_record_stores_what_a_person_resolved(mlm, capsys):
     stored = sorted(
         p.relative_to(sdir) for p in (sdir / "apply").rglob("*") if p.is_file() and p not in kept
     )
-    assert stored == [Path(f"apply/{c[1][:12]}/MoE-Release-dispatcher-state-after-combine.diff")]
+    assert stored == [Path(f"apply/{c[1][:12]}/flex-dispatcher-state.diff")]
     assert f"written: patches/upstream/main/{stored[0]}" in out
     data = (sdir / stored[0]).read_bytes()
     assert data.startswith(b"# Resolution of " + P_RELEASE.encode() + b" at " + c[1].encode())
@@ -461,7 +498,7 @@ def test_record_keeps_a_fix_in_a_file_no_patch_touches(mlm, capsys):
             _git(m, "commit", "--quiet", "-a", "--amend", "--no-edit")
     _git(m, "checkout", "--quiet", "main")
     assert cli.main(["apply", str(m), "--ref", c[2], "--record", "fixed"]) == 0
-    assert "MoE-Release-dispatcher-state-after-combine.diff" in capsys.readouterr().out
+    assert "flex-dispatcher-state.diff" in capsys.readouterr().out
     _, result, _ = _apply(m, c[2], repo)
     assert _verdicts(result)[P_RELEASE] == REPLAYED
     assert _git(m, "show", f"moe-release/{c[2][:12]}:megatron/core/__init__.py") == "FIXED = True"
@@ -480,7 +517,7 @@ def test_a_conflict_is_reported_and_nothing_changes(mlm, capsys, monkeypatch):
     assert "        REF:\n          |         output = tokens * 1\n" in out
     assert "        series:\n          |         output " + CLONED in out
     assert (f"needs a stored resolution: patches/upstream/main/apply/{c[1][:12]}/"
-            "MoE-Release-dispatcher-state-after-combine.diff") in out  # fmt: skip
+            "flex-dispatcher-state.diff") in out  # fmt: skip
     assert f"  {APPLIED:30} {P_BUFFER}" in out
     assert "CONFLICT: nothing written" in out
     assert _snapshot(m) == before

@@ -11,7 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import AUTHOR, REPO_ROOT, TRAILERS, run_git
+from conftest import AUTHOR, REPO_ROOT, run_git, trailers
 from packaging.requirements import Requirement
 
 from moe_release.series.common import UserError
@@ -90,7 +90,12 @@ def fake(tmp_path, repo, monkeypatch):
     target = edit / "megatron/core/release_me.py"
     target.write_bytes(target.read_bytes().replace(OLD, NEW))
     run_git(
-        edit, "commit", "-q", "-am", f"[MoE] Release the state\n\nBody.\n\n{TRAILERS}", **AUTHOR
+        edit,
+        "commit",
+        "-q",
+        "-am",
+        f"[MoE] Release the state\n\nBody.\n\n{trailers('flex-dispatcher-state')}",
+        **AUTHOR,
     )
     export_series(edit, root=repo)
     return repo, clone, commit, tree

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import AUTHOR, REPO_ROOT, TRAILERS, run_git
+from conftest import AUTHOR, REPO_ROOT, name_for, run_git, trailers
 
 from moe_release.series.common import UserError
 from moe_release.series.git import create_edit_repo, export_series, format_patches
@@ -213,7 +213,7 @@ def test_materialize_refuses_non_empty_target(tmp_path, repo):
 
 
 def test_materialize_through_a_patch_applies_the_series_up_to_it(tmp_path, repo):
-    tree = materialize(tmp_path / "tree", root=repo, through="all-gather-dispatcher-state")
+    tree = materialize(tmp_path / "tree", root=repo, through="allgather-dispatcher-state")
     names = [p.name for p in series_patches(repo)]
     assert tree.patches == names[:4]
     # A name matching no patch, or several, names the series' patches and writes nothing.
@@ -310,7 +310,7 @@ def _edit_repo(tmp_path, repo, base, base_files) -> Path:
     return edit
 
 
-def _commit_patch(repo, base, base_files, rel, change, subject, trailers=TRAILERS):
+def _commit_patch(repo, base, base_files, rel, change, subject, tail=None):
     """A one-commit patch on top of the series, as format-patch writes it."""
     import tempfile
 
@@ -320,7 +320,14 @@ def _commit_patch(repo, base, base_files, rel, change, subject, trailers=TRAILER
         create_edit_repo(edit, base, base_files, patches)
         path = edit / rel
         path.write_text(change(path.read_text()))
-        run_git(edit, "commit", "-q", "-am", f"{subject}\n\nBody.\n\n{trailers}", **AUTHOR)
+        run_git(
+            edit,
+            "commit",
+            "-q",
+            "-am",
+            f"{subject}\n\nBody.\n\n{tail or trailers(name_for(subject))}",
+            **AUTHOR,
+        )
         return format_patches(edit)[-1]
 
 
@@ -359,17 +366,24 @@ def test_fixup_add_and_drop_commits_round_trip(tmp_path, repo, base, base_files)
     # A new topic: new file, appended to the series.
     exp = edit / "megatron/core/transformer/moe/experts.py"
     exp.write_text(exp.read_text() + "\n# extra\n")
-    run_git(edit, "commit", "-q", "-am", f"[MoE] Add a note\n\nBody.\n\n{TRAILERS}", **AUTHOR)
+    run_git(
+        edit,
+        "commit",
+        "-q",
+        "-am",
+        f"[MoE] Add a note\n\nBody.\n\n{trailers('add-a-note')}",
+        **AUTHOR,
+    )
     _, written, _ = export_series(edit, root=repo)
-    assert written == ["MoE-Add-a-note.patch"]
+    assert written == ["add-a-note.patch"]
     names = parse_series((repo / "patches" / "series").read_text())
-    assert names == names_before + ["MoE-Add-a-note.patch"]
+    assert names == names_before + ["add-a-note.patch"]
     assert (repo / "patches" / "series").read_text().startswith("# Patch series over")
     # Dropping it deletes the stale file and its series line.
     run_git(edit, "reset", "-q", "--hard", "HEAD~1")
     _, written, deleted = export_series(edit, root=repo)
-    assert (written, deleted) == ([], ["MoE-Add-a-note.patch"])
-    assert not (repo / "patches" / "MoE-Add-a-note.patch").exists()
+    assert (written, deleted) == ([], ["add-a-note.patch"])
+    assert not (repo / "patches" / "add-a-note.patch").exists()
     assert check_base(base, repo) == []
 
 
@@ -379,7 +393,9 @@ def test_export_refuses_commit_without_trailers(tmp_path, repo, base, base_files
     exp.write_text(exp.read_text() + "\n# extra\n")
     run_git(edit, "commit", "-q", "-am", "[MoE] No trailers\n\nBody.\n", **AUTHOR)
     before = sorted(p.name for p in (repo / "patches").iterdir())
-    with pytest.raises(UserError, match="MoE-No-trailers.patch: commit lacks trailer"):
+    with pytest.raises(
+        UserError, match=r"commit '\[MoE\] No trailers' lacks a Patch-Name: trailer"
+    ):
         export_series(edit, root=repo)
     assert sorted(p.name for p in (repo / "patches").iterdir()) == before
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import AUTHOR, REPO_ROOT, TRAILERS, run_git
+from conftest import AUTHOR, REPO_ROOT, name_for, run_git, trailers
 
 from moe_release import settings
 from moe_release.series.git import create_edit_repo, export_series
@@ -30,7 +30,7 @@ BACKPORTS = [n for n in all_target_names() if n not in COMMIT_TARGETS]
 # The upstream variants are Megatron-LM commits: ported where a Megatron-LM repository holding
 # them is at hand (the read-only mirror here; CI has the backports, which need only the sdists).
 TARGETS = all_target_names() if MIRROR.is_dir() else BACKPORTS
-ALL_GATHER = "MoE-Release-all-gather-dispatcher-state-after-combin.patch"
+ALL_GATHER = "allgather-dispatcher-state.patch"
 OLD_LINE = b"# token_combine read local_probs last; backward keeps its own references."
 NEW_LINE = b"# token_combine read local_probs last; the backward keeps its own references."
 
@@ -70,7 +70,14 @@ def _edit_primary(tmp_path, repo, base, base_files, change, subject=None):
     path = edit / "megatron/core/transformer/moe/token_dispatcher.py"
     path.write_bytes(change(path.read_bytes()))
     if subject:
-        run_git(edit, "commit", "-q", "-am", f"{subject}\n\nBody.\n\n{TRAILERS}", **AUTHOR)
+        run_git(
+            edit,
+            "commit",
+            "-q",
+            "-am",
+            f"{subject}\n\nBody.\n\n{trailers(name_for(subject))}",
+            **AUTHOR,
+        )
     else:
         commits = run_git(edit, "rev-list", "--reverse", "base..HEAD").split()
         target = commits[[n for n, _ in patches].index(ALL_GATHER)]
@@ -89,9 +96,7 @@ def test_port_leaves_every_series_byte_identical(repo):
         assert written == ([], []), (result.target.name, written)
     assert _snapshot(repo) == before
     verdicts = {r.target.name: {s.patch: s.verdict for s in r.steps} for r, _ in results}
-    assert verdicts["core_r0.16.0"][
-        "MoE-A2A-overlap-release-the-layer-state-s-probs-and-.patch"
-    ] == ("not carried")
+    assert verdicts["core_r0.16.0"]["overlap-layer-state.patch"] == ("not carried")
     assert all(v == "applied" for v in (verdicts["core_r0.18.0"][ALL_GATHER],))
 
 
@@ -151,13 +156,13 @@ def test_a_new_primary_patch_gets_the_backport_conventions(tmp_path, repo, base,
     ((result, written),) = port_all(["core_r0.18.0"], root=repo)
     assert result.ok, "\n".join(report_lines(result))
     assert result.steps[-1].verdict == "applied"
-    name = "cp-fix-moe-say-where-the-all-gather-state-is-release.patch"
+    name = "say-where-the-all-gather-state-is-released.patch"
     assert written == ([name, "series"], [])
     patch = parse_patch((_sdir(repo, "core_r0.18.0") / name).read_bytes(), name)
     assert patch.subject == (
         "cp: `fix(moe): say where the all-gather state is released` into `core_r0.18.0`"
     )
-    assert patch.trailers["Backport-Of"] == ["MoE-Say-where-the-all-gather-state-is-released.patch"]
+    assert patch.trailers["Patch-Name"] == ["say-where-the-all-gather-state-is-released"]
     assert check_base(load_pins(repo / "patches" / "pins.toml").get("0.18.2"), repo) == []
 
 
@@ -165,12 +170,12 @@ def test_a_conflict_without_a_resolution_is_reported_and_nothing_written(repo):
     """Without its stored resolution, a patch whose merge conflicts is reported with the file,
     the primary hunk and both sides, and the target is left as it was."""
     sdir = _sdir(repo, "core_r0.18.0")
-    (sdir / RESOLUTIONS / "MoE-Release-flex-dispatcher-state-after-combine.diff").unlink()
+    (sdir / RESOLUTIONS / "flex-dispatcher-state.diff").unlink()
     before = _snapshot(repo)
     ((result, written),) = port_all(["core_r0.18.0"], root=repo)
     assert not result.ok and written is None
     step = result.steps[-1]
-    assert step.patch == "MoE-Release-flex-dispatcher-state-after-combine.patch"
+    assert step.patch == "flex-dispatcher-state.patch"
     assert step.verdict == "conflict" and step.conflicts
     lines = "\n".join(report_lines(result))
     assert "megatron/core/transformer/moe/token_dispatcher.py:" in lines and "@@ -" in lines

@@ -233,14 +233,12 @@ def test_merge_right_borrows_the_layer_state_patch_where_the_release_is_gone():
     states, steps = merge_right(s16, [("0.17.0", s17)], merge, list(load_topics().of_patch))
     assert all(s.outcome.verdict != CONFLICT for s in steps)
     borrowed = [s.outcome for s in steps if s.outcome.borrowed]
-    assert [(o.patch, o.borrowed) for o in borrowed] == [
-        ("cp-fix-moe-A2A-overlap-release-the-layer-state-s-pro.patch", "0.17.0")
-    ]
+    assert [(o.patch, o.borrowed) for o in borrowed] == [("overlap-layer-state.patch", "0.17.0")]
     assert "from the 0.17.0 series; without it, a2a-overlap/layer-state" in borrowed[0].note
     # In the primary order: after "drop a schedule node's detached tensors", before the chunk.
     names = [p.name for p, _, _ in states]
     i = names.index(borrowed[0].patch)
-    assert "drop-a-schedule-node" in names[i - 1] and "chunk-state" in names[i + 1]
+    assert "overlap-node-detached" in names[i - 1] and "chunk-state" in names[i + 1]
     final = dict(at_ref)
     for s in steps:
         final.update(s.changed)
@@ -332,7 +330,7 @@ def test_on_the_mirror_the_nccl_ep_window_takes_a_series_that_releases_it():
     assert result.ok and result.choice.base.name == "0.19.2"
     assert "the nearest, 0.18.0, conflicts in" in result.choice.why
     assert [(o.borrowed, o.patch) for o in result.outcomes if o.borrowed] == [
-        ("0.18.0", "cp-fix-moe-A2A-overlap-drop-a-schedule-node-s-detach.patch")
+        ("0.18.0", "overlap-node-detached.patch")
     ]
     assert result.releases.endswith("NCCL EP's context; leaves unreleased: none")
 

@@ -426,14 +426,14 @@ def test_branch_overrides(tmp_path):
     [
         # Two one-rank launches (the entry's nproc): importing the schedules halts at Triton.
         pytest.param(
-            ["--patch", "import-and-build", "--timeout", "300"],
+            ["--patch", "cpu-import", "--timeout", "300"],
             (0, 1),
             "import of triton halted",
             id="cpu-import",
         ),
         # Two 8-rank launches: the series up to the all-to-all patch still holds the tensors.
         pytest.param(
-            ["--patch", "all-gather", "--first", "--timeout", "540"],
+            ["--patch", "allgather", "--first", "--timeout", "540"],
             (3, 4),
             "still holds the forward's tensors",
             id="all-gather",

@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from moe_release.series.common import REPO_ROOT, UserError
-from moe_release.series.patches import check_trailers, parse_patch, parse_series, series_header
+from moe_release.series.patches import (
+    NAME_TRAILER,
+    check_trailers,
+    name_of,
+    parse_patch,
+    parse_series,
+    patch_stem,
+    series_header,
+)
 from moe_release.series.pins import Base, load_pins
 from moe_release.series.trees import atomic_directory, os_error, write_files
 
@@ -114,7 +122,8 @@ def create_edit_repo(
 
 
 def format_patches(repo: Path) -> list[tuple[str, bytes]]:
-    """(file name, mbox) for each commit after tag `base`, in order, names without numbers."""
+    """(file name, mbox) for each commit after tag `base`, in order: each file is named after
+    the commit's ``Patch-Name:`` trailer, never its subject."""
     with tempfile.TemporaryDirectory() as tmp:
         out = git(repo, "-c", "diff.noprefix=false", "-c", "diff.mnemonicPrefix=false",
                   "-c", "diff.algorithm=myers", "-c", "diff.indentHeuristic=true",
@@ -123,12 +132,19 @@ def format_patches(repo: Path) -> list[tuple[str, bytes]]:
         result = []
         for line in out.decode().splitlines():
             path = Path(line)
-            name = re.sub(r"^\d{4}-", "", path.name)
-            result.append((name, path.read_bytes()))
+            data = path.read_bytes()
+            patch = parse_patch(data, re.sub(r"^\d{4}-", "", path.name))
+            name = name_of(patch)
+            if name is None:
+                raise UserError(
+                    f"commit {patch.subject!r} lacks a {NAME_TRAILER}: trailer (the patch's "
+                    "name, its file <name>.patch in every series); add one to its message"
+                )
+            result.append((f"{name}.patch", data))
     names = [n for n, _ in result]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup:
-        raise UserError(f"two commits map to the same patch file name {dup}; reword one subject")
+        raise UserError(f"two commits carry the same {NAME_TRAILER}: {patch_stem(dup)}; rename one")
     return result
 
 

@@ -1,8 +1,13 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
 """Series files and `git format-patch` mboxes as pure functions over bytes: parse, apply
-with zero fuzz, trailers, version label, a patch's stem, author and upstream subject. No I/O
-here."""
+with zero fuzz, trailers, version label, a patch's name, author and upstream subject. No I/O
+here.
+
+A patch's identity is its name, carried in the patch as a ``Patch-Name:`` trailer (stgit's patch
+names, git-buildpackage's ``Gbp-Pq: Name``): the same in every series (primary, upstream
+variants, backports), its file is ``<name>.patch`` there, and every key (series order, topics,
+resolutions, apply records, probes) is that name. Editing a subject changes one line."""
 
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ LABEL_PREFIX = "moerelease"
 REQUIRED_TRAILERS = ("Signed-off-by",)
 STATUS_TRAILERS = ("Forwarded", "Applied-Upstream")
 ORIGIN_TRAILER = "Origin"
+NAME_TRAILER = "Patch-Name"
+NAME_RE = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 
 
 def parse_series(text: str, source: str = "series") -> list[str]:
@@ -271,7 +278,34 @@ def check_trailers(patch: Patch) -> list[str]:
         missing.append("/".join(STATUS_TRAILERS))
     if ORIGIN_TRAILER not in patch.trailers:
         missing.append(ORIGIN_TRAILER)
+    if NAME_TRAILER not in patch.trailers:
+        missing.append(NAME_TRAILER)
     return missing
+
+
+def name_of(patch: Patch) -> Optional[str]:
+    """The name a patch carries (its ``Patch-Name:`` trailer); None where it carries none."""
+    names = patch.trailers.get(NAME_TRAILER)
+    return names[0].strip() if names else None
+
+
+def name_problems(patch: Patch) -> list[str]:
+    """What is wrong with a patch's name: one ``Patch-Name:``, lower-case words joined by
+    ``-``, and its file called ``<name>.patch``."""
+    names = patch.trailers.get(NAME_TRAILER, [])
+    if not names:
+        return []  # check_trailers names the missing trailer
+    if len(names) > 1:
+        return [f"{patch.name}: has {len(names)} {NAME_TRAILER}: trailers, expected one"]
+    name = names[0].strip()
+    if not NAME_RE.match(name):
+        return [
+            f"{patch.name}: {NAME_TRAILER}: {name!r} is not lower-case words joined by '-' "
+            "(e.g. flex-dispatcher-state)"
+        ]
+    if patch.name != f"{name}.patch":
+        return [f"{patch.name}: carries {NAME_TRAILER}: {name}, so its file must be {name}.patch"]
+    return []
 
 
 def stamp_package_info(text: str, version: str) -> str:
@@ -300,9 +334,10 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def patch_stem(patch_name: str) -> str:
-    """A patch's name without ``.patch``: its resolution is ``resolutions/<stem>.diff``."""
-    return patch_name[: -len(".patch")] if patch_name.endswith(".patch") else patch_name
+def patch_stem(file_name: str) -> str:
+    """A patch file's name without ``.patch`` (the patch's name): its resolution is
+    ``resolutions/<name>.diff``."""
+    return file_name[: -len(".patch")] if file_name.endswith(".patch") else file_name
 
 
 def patch_author(patch: Patch) -> tuple[str, str, str]:

@@ -148,8 +148,8 @@ def layer_state_released(files: Files) -> Optional[str]:
     return None
 
 
-CPU_IMPORT_PATCH = "MoE-Let-the-MoE-dispatcher-path-import-and-build-wit.patch"
-LAYER_STATE_PATCH = "MoE-A2A-overlap-release-the-layer-state-s-probs-and-.patch"
+CPU_IMPORT_PATCH = "cpu-import.patch"
+LAYER_STATE_PATCH = "overlap-layer-state.patch"
 
 
 def elastic_buffer_kept(files: Files) -> Optional[str]:
@@ -198,14 +198,14 @@ def elastic_buffer_kept(files: Files) -> Optional[str]:
     return None
 
 
-DEEPEP_V2_PATCH = "MoE-Free-the-HybridEP-and-DeepEP-buffers-only-by-an-.patch"
-FLEX_PATCH = "MoE-Release-flex-dispatcher-state-after-combine.patch"
-ALLTOALL_PATCH = "MoE-Release-all-to-all-dispatcher-state-after-combin.patch"
-ALLGATHER_PATCH = "MoE-Release-all-gather-dispatcher-state-after-combin.patch"
-SCHEDULE_NODE_PATCH = "MoE-A2A-overlap-drop-a-schedule-node-s-detached-tens.patch"
-CHUNK_STATE_PATCH = "MoE-A2A-overlap-release-the-chunk-state-after-backwa.patch"
+DEEPEP_V2_PATCH = "free-comm-buffers.patch"
+FLEX_PATCH = "flex-dispatcher-state.patch"
+ALLTOALL_PATCH = "alltoall-dispatcher-state.patch"
+ALLGATHER_PATCH = "allgather-dispatcher-state.patch"
+SCHEDULE_NODE_PATCH = "overlap-node-detached.patch"
+CHUNK_STATE_PATCH = "overlap-chunk-state.patch"
 COMM_BUFFERS_PATCH = DEEPEP_V2_PATCH
-NCCL_EP_PATCH = "MoE-Release-NCCL-EP-s-context-and-zero-copy-buffers-.patch"
+NCCL_EP_PATCH = "ncclep-context.patch"
 
 # ----------------------------------------------------------------------------- the releases
 #

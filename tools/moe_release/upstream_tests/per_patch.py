@@ -28,7 +28,7 @@ Megatron-LM-shaped checkout: the tree's ``megatron/``, our ``patches/upstream/te
 :mod:`moe_release.upstream_tests.standin_utils` as upstream's ``Utils`` (the sdist has no
 ``tests/``).
 
-``--base V`` runs a backport series (its patches name their primary patch in ``Backport-Of:``);
+``--base V`` runs a backport series (its patches carry their primary patch's ``Patch-Name:``);
 ``--patch`` chooses patches (by file name or a unique part of it); ``--first`` runs only the
 first ``fails_without`` test of each (quick); ``--ends`` instead runs every chosen patch's tests
 on the unpatched base (each ``fails_without`` test must fail) and on the whole series (all must
@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from moe_release.series.common import REPO_ROOT, UserError
-from moe_release.series.patches import parse_patch
+from moe_release.series.patches import name_of, parse_patch
 from moe_release.series.pins import Base, load_pins
 from moe_release.series.repo import read_series
 from moe_release.series.source import read_base_files
@@ -179,9 +179,9 @@ def _nodeids(entry: dict, key: str) -> List[str]:
 
 
 def primary_name(name: str, data: bytes) -> str:
-    """The primary patch a series patch is (a backport names it in ``Backport-Of:``)."""
-    origin = parse_patch(data, name).trailers.get("Backport-Of", [])
-    return origin[0].strip() if origin else name
+    """The primary patch a series patch is (the name it carries, the same in every series)."""
+    carried = name_of(parse_patch(data, name))
+    return f"{carried}.patch" if carried else name
 
 
 def standin_checkout(root: Path, megatron: Path, tests_dir: Path = UPSTREAM_TESTS) -> Path:

@@ -15,7 +15,7 @@ from typing import Optional
 
 from moe_release.series.common import REPO_ROOT, UserError
 from moe_release.series.git import create_edit_repo, format_patches
-from moe_release.series.patches import check_trailers, parse_patch
+from moe_release.series.patches import check_trailers, name_problems, parse_patch, parse_series
 from moe_release.series.pins import Base
 from moe_release.series.repo import overlay_files, read_series
 from moe_release.series.sdist import sha256_file
@@ -33,6 +33,14 @@ def check_base(base: Base, root: Path = REPO_ROOT) -> list[str]:
         patches = read_series(base, root)
     except UserError as exc:
         return [str(exc)]
+    primary_file = root / "patches" / "series"
+    primary = parse_series(primary_file.read_text(), str(primary_file))
+    for name, _ in patches:
+        if name not in primary:
+            problems.append(
+                f"{base.series_dir(root) / name}: names no patch of {primary_file} (a backport "
+                "or upstream variant carries its primary patch's Patch-Name:)"
+            )
     for name, data in patches:
         try:
             patch = parse_patch(data, name)
@@ -42,6 +50,7 @@ def check_base(base: Base, root: Path = REPO_ROOT) -> list[str]:
         missing = check_trailers(patch)
         if missing:
             problems.append(f"{name}: lacks trailer(s) {', '.join(missing)}")
+        problems += name_problems(patch)
         for fp in patch.files:
             if fp.path.endswith(LEFTOVER_SUFFIXES):
                 problems.append(f"{name}: adds {fp.path}, a leftover of patch/merge (remove it)")

@@ -20,7 +20,7 @@ patch, theirs = after it, ours = the target's tree (``git merge-file``). Per pat
 
 The ported series is written with the export machinery (format-patch flags of git.py): a
 patch the target already carries keeps its message, author and date (backports: ``cp:
-`fix(moe): …` into `<branch>``` with a ``Backport-Of:`` trailer); a new one gets the target's
+`fix(moe): …` into `<branch>```, the primary's ``Patch-Name:``); a new one gets the target's
 conventions. ``--record`` takes the target's series as it is now as the resolved result and
 stores, per patch, the difference between the mechanical merge and it.
 """
@@ -50,8 +50,10 @@ from moe_release.series.merge import (
     series_states,
 )
 from moe_release.series.patches import (
+    NAME_TRAILER,
     Patch,
     apply_file_patch,
+    name_of,
     parse_patch,
     parse_series,
     patch_author,
@@ -179,13 +181,10 @@ def _primary_states(root: Path) -> tuple[list[tuple[str, Patch, Files, Files]], 
 
 def _counterpart(patch: Patch, target: Target, primary_names: list[str]) -> str:
     """The primary patch a target's patch comes from."""
-    if target.kind == "backport":
-        origin = patch.trailers.get("Backport-Of", [])
-        if not origin:
-            raise UserError(f"{target.sdir / patch.name}: lacks a Backport-Of: trailer")
-        name = origin[0].strip()
-    else:
-        name = patch.name
+    carried = name_of(patch)
+    if carried is None:
+        raise UserError(f"{target.sdir / patch.name}: lacks a {NAME_TRAILER}: trailer")
+    name = f"{carried}.patch"
     if name not in primary_names:
         raise UserError(f"{target.sdir / patch.name}: comes from {name}, not in patches/series")
     return name
@@ -207,7 +206,7 @@ def backport_message(patch: Patch, name: str, target: Target, primary_version: s
         lines.pop()
     sign = [t for t in trailers if t.startswith("Signed-off-by: ")]
     rest = [t for t in trailers if not t.startswith("Signed-off-by: ")]
-    tail = sign + [f"Backport-Of: {name}"] + rest
+    tail = sign + rest  # the primary's Patch-Name: among them: one name in every series
     return f"{subject}\n\n{intro}\n\n" + "\n".join(lines) + "\n\n" + "\n".join(tail) + "\n"
 
 

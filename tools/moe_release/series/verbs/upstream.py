@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 from moe_release.series.common import REPO_ROOT, UserError
 from moe_release.series.git import create_edit_repo, format_patches
-from moe_release.series.patches import Patch, parse_patch, upstream_subject
+from moe_release.series.patches import Patch, name_of, parse_patch, upstream_subject
 from moe_release.series.pins import Base, load_pins
 from moe_release.series.repo import read_series, read_series_dir
 from moe_release.series.source import available, not_configured, read_base_files
@@ -40,7 +40,7 @@ VARIANT_TARGETS = ("main", "dev")
 VARIANTS_DIR = REPO_ROOT / "patches" / "upstream"
 # Release branches: the backport series of the pinned base whose `branch` this is.
 BACKPORT_TARGETS = ("core_r0.18.0", "core_r0.17.0", "core_r0.16.0")
-OVERLAY_TRAILERS = ("Forwarded", "Applied-Upstream", "Origin", "Backport-Of", "Signed-off-by")
+OVERLAY_TRAILERS = ("Forwarded", "Applied-Upstream", "Origin", "Patch-Name", "Signed-off-by")
 # Upstream takes one PR per code-owner area and topic: the dispatcher-state release
 # (token_dispatcher.py), the A2A-overlap state (the 1F1B schedule plan and its nodes), HybridEP's
 # buffer per process group and the communication-buffer lifecycle (fused_a2a.py,
@@ -156,12 +156,12 @@ def _slug(subject: str) -> str:
 
 
 def patch_topic(patch: Patch, topics: Topics) -> str:
-    """The PR a patch belongs to, by its file name in patches/topics.toml (a backport's: the
-    primary patch its ``Backport-Of:`` trailer names); a patch no topic claims is an error
-    naming it."""
-    for name in (patch.name, *patch.trailers.get("Backport-Of", [])):
-        if name in topics.of_patch:
-            return topics.of_patch[name]
+    """The PR a patch belongs to, by its name in patches/topics.toml (the same in every
+    series); a patch no topic claims is an error naming it."""
+    name = name_of(patch)
+    for key in (f"{name}.patch" if name else None, patch.name):
+        if key in topics.of_patch:
+            return topics.of_patch[key]
     raise UserError(f"{patch.name}: belongs to no upstream topic (add it to {TOPICS_FILE})")
 
 
