@@ -560,7 +560,6 @@ def test_prerequisites_are_transitive_and_in_merge_order(tmp_path):
     """A topic's prerequisites are those of its prerequisites too, listed in merge order (the
     order of the [topic.*] tables), whatever order a table names them in."""
     root = _topics_file(tmp_path, """
-[patches]
 [topic.a]
 [topic.b]
 prerequisites = ["a"]
@@ -582,14 +581,15 @@ prerequisites = ["c", "b"]
          r"topic.a.prerequisites: 'b' is not a topic declared before it \(topics are listed in "
          "merge order\\)"),
         ("[topic.a]\nprerequisites = [\"a\"]\n[topic.cpu-import]\n", "'a' is not a topic"),
-        ("[patches]\n\"x.patch\" = \"nope\"\n[topic.cpu-import]\n",
-         "x.patch is in topic 'nope', which is not declared"),
+        ("[patch.x]\ntopic = \"nope\"\n[topic.cpu-import]\n",
+         "patch.x: topic 'nope' is not a declared topic"),
+        ("[patch.x]\ntopc = \"a\"\n[topic.cpu-import]\n", "patch.x: unknown key 'topc'"),
         ("[topic.memory]\n[topic.cpu-import]\n", "topic.memory: not a topic table"),
         ("[topic.a]\nprerequisite = []\n[topic.cpu-import]\n", "unknown key 'prerequisite'"),
         ("[topic.a]\ntests = \"t.py\"\n[topic.cpu-import]\n", "topic.a.tests: must be a list"),
         ("[topic.a]\n", r"no \[topic.cpu-import\]"),
         ("[topic.a\n", "not valid TOML"),
-        ("", r"wants \[patches\] and \[topic.<name>\] tables only"),
+        ("", r"wants \[topic.<name>\], \[test-file.<name>\], \[patch.<name>\] and "),
     ],
 )  # fmt: skip
 def test_a_bad_topics_file_is_one_line_naming_the_problem(tmp_path, text, message):

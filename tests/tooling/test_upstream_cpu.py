@@ -5,7 +5,7 @@ Megatron-LM checkout. So :mod:`moe_release.upstream_tests.per_patch` builds scra
 trees of the sdist with a prefix of the series applied (their ``megatron/``), our upstream-layout
 test files from ``patches/upstream/tests`` and :mod:`moe_release.upstream_tests.standin_utils`
 (upstream's ``Utils``, only what those tests use, with upstream's behaviour), and runs each patch's
-tests (``patches/upstream/patch-tests.toml``) through ``run.py`` on 8 gloo ranks, as upstream's CI
+tests (``patches/topics.toml``, ``[patch.<name>.tests]``) through ``run.py`` on 8 gloo ranks, as upstream's CI
 runs them on 8 GPUs, on the tree without the patch (they must fail, for the manifest's reason) and
 with it (they must pass). The default run does that for one patch; the ``slow`` cases for every
 patch, and for every test on the unpatched base against the whole series. A small upstream-style
@@ -299,17 +299,17 @@ def test_manifest_covers_every_patch_of_every_series():
     files = {
         p.relative_to(UPSTREAM_TESTS.parent).as_posix() for p in UPSTREAM_TESTS.rglob("test_*.py")
     }
-    assert files == used, f"not in patch-tests.toml: {sorted(files - used)}"
+    assert files == used, f"in no [patch.<name>.tests] of topics.toml: {sorted(files - used)}"
 
 
 def test_manifest_errors_name_the_entry(tmp_path):
     """A manifest entry without a fails_without test, with an unknown key or naming a missing
     file is refused, naming the entry."""
     cases = {
-        "no test": ('[patch."A.patch"]\nguards = []\n', "[patch.'A.patch']: no fails_without"),
-        "unknown key": ('[patch."A.patch"]\nfail = ["x"]\n', "unknown key 'fail'"),
+        "no test": ('[patch.A.tests]\nguards = []\n', "[patch.A.tests]: no fails_without"),
+        "unknown key": ('[patch.A.tests]\nfail = ["x"]\n', "unknown key 'fail'"),
         "missing file": (
-            '[patch."A.patch"]\nfails_without = ["tests/nope.py::test_x"]\n',
+            '[patch.A.tests]\nfails_without = ["tests/nope.py::test_x"]\n',
             "tests/nope.py::test_x: no such file",
         ),
     }
@@ -371,11 +371,11 @@ def test_plan_and_evaluate():
 def test_branch_overrides(tmp_path):
     """``branch.<B>`` changes an entry on release branch B: its tests and reasons replace the
     entry's, ``skips`` must skip (with ``skip_reason``) on both trees and leave the entry's
-    lists; a top-level ``[branch.<B>]`` base_reason joins every entry's on B. Bad keys are
+    lists; ``[patch-tests.branch.<B>]`` base_reason joins every entry's on B. Bad keys are
     refused, naming the entry."""
     path = tmp_path / "m.toml"
     path.write_text(
-        '[patch."A.patch"]\nfile = "tests/unit_tests/transformer/moe/'
+        '[patch.A.tests]\nfile = "tests/unit_tests/transformer/moe/'
         'test_paged_stash_import.py"\nreason = "held"\n'
         'fails_without = ["test_schedules_import_without_triton_and_paged_stash_names_it"]\n'
         'branch."r16".fails_without = ["tests/unit_tests/transformer/moe/'
@@ -383,7 +383,7 @@ def test_branch_overrides(tmp_path):
         'branch."r16".reason = "te_general_gemm"\n'
         'branch."r17".skips = ["test_schedules_import_without_triton_and_paged_stash_names_it"]\n'
         'branch."r17".skip_reason = "no stash"\n'
-        '[branch."r16"]\nbase_reason = "undefined"\n'
+        '[patch-tests.branch."r16"]\nbase_reason = "undefined"\n'
     )
     entry = per_patch.load_manifest(path)["A.patch"]
     assert entry.on("main") == dataclasses.replace(entry, branches={})
@@ -408,10 +408,12 @@ def test_branch_overrides(tmp_path):
         'branch."r17".skip = ["x"]\n': "branch.r17: unknown key 'skip'",
         'branch."r17".skips = ["test_schedules_import_without_triton_and_paged_stash_names_it"]\n':
             "branch.r17: skips needs a skip_reason",
-        '[branch."r16"]\nreason = "x"\n': "[branch.'r16']: only base_reason may be set there",
+        '[patch-tests.branch."r16"]\nreason = "x"\n': (
+            "[patch-tests.branch.'r16']: only base_reason may be set there"
+        ),
     }  # fmt: skip
     head = (
-        '[patch."A.patch"]\nfile = "tests/unit_tests/transformer/moe/'
+        '[patch.A.tests]\nfile = "tests/unit_tests/transformer/moe/'
         'test_paged_stash_import.py"\nreason = "held"\n'
         'fails_without = ["test_schedules_import_without_triton_and_paged_stash_names_it"]\n'
     )

@@ -2,7 +2,8 @@
 
 """The upstream PRs the series is exported as, read from ``patches/topics.toml``.
 
-The file holds what the series knows about its PRs, beside the patches: each patch's topic, and
+The file holds what the series knows about its patches and PRs: each patch's topic and tests
+(``[patch.<name>]``, by the name the patch carries), and
 per topic, in merge order, the PRs that must merge before it, the upstream-layout tests it adds,
 its PR text (``title``, ``summary``, ``related``), the flex backends its tests have cases for
 (``backends``), and where a target branch says otherwise (``[topic.<name>.on.<target>]``:
@@ -36,11 +37,13 @@ TEXT_KEYS = (
 )  # fmt: skip
 ON_KEYS = ("title", "summary", "related", "backends", "rename")
 TEST_FILE_KEYS = ("requires", "message")
+# A patch's table: its topic and the upstream-layout tests that show it (per_patch.py's).
+PATCH_KEYS = ("topic", "tests")
 
 
 @dataclasses.dataclass(frozen=True)
 class Topics:
-    """patches/topics.toml: each patch's topic (by its file name in patches/series), and per
+    """patches/topics.toml: each patch's topic (by its file, ``<name>.patch``), and per
     topic, in merge order, the PRs that must merge before it, the test files it adds and its
     PR text."""
 
@@ -153,9 +156,12 @@ def _load(path: Path, mtime_ns: int) -> Topics:
         raise UserError(f"{TOPICS_FILE}: cannot read it ({exc.strerror or exc})") from None
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"{TOPICS_FILE}: not valid TOML ({exc})") from None
-    unknown = sorted(set(data) - {"patches", "topic", "test-file"})
+    unknown = sorted(set(data) - {"patch", "topic", "test-file", "patch-tests"})
     if unknown or not isinstance(data.get("topic"), dict) or not data["topic"]:
-        raise UserError(f"{TOPICS_FILE}: wants [patches] and [topic.<name>] tables only")
+        raise UserError(
+            f"{TOPICS_FILE}: wants [topic.<name>], [test-file.<name>], [patch.<name>] and "
+            "[patch-tests] tables only"
+        )
     prerequisites: dict[str, tuple[str, ...]] = {}
     tests: dict[str, tuple[str, ...]] = {}
     text: dict[str, dict[str, str]] = {}
@@ -181,12 +187,16 @@ def _load(path: Path, mtime_ns: int) -> Topics:
         on.update(_on(name, table.get("on", {}), f"{where}.on"))
     if CPU_IMPORT not in prerequisites:
         raise UserError(f"{TOPICS_FILE}: no [topic.{CPU_IMPORT}]")
-    of_patch = data.get("patches", {})
-    if not isinstance(of_patch, dict):
-        raise UserError(f"{TOPICS_FILE}: [patches] must map patch file names to topics")
-    for patch, topic in of_patch.items():
+    of_patch = {}
+    for name, table in data.get("patch", {}).items():
+        where = f"{TOPICS_FILE}: patch.{name}"
+        if not isinstance(table, dict) or set(table) - set(PATCH_KEYS):
+            bad = sorted(set(table) - set(PATCH_KEYS))[0] if isinstance(table, dict) else table
+            raise UserError(f"{where}: unknown key {bad!r} ({', '.join(PATCH_KEYS)})")
+        topic = table.get("topic")
         if topic not in prerequisites:
-            raise UserError(f"{TOPICS_FILE}: {patch} is in topic {topic!r}, which is not declared")
+            raise UserError(f"{where}: topic {topic!r} is not a declared topic")
+        of_patch[f"{name}.patch"] = topic
     test_files = {}
     for name, table in data.get("test-file", {}).items():
         where = f"{TOPICS_FILE}: test-file.{name}"

@@ -7,7 +7,7 @@ Usage (the venv's python)::
     python scripts/upstream_cpu/per_patch.py [--base V] [--patch NAME ...] [--first]
         [--ends] [--timeout S] [--json OUT] [--keep DIR]
 
-``patches/upstream/patch-tests.toml`` names, for every patch of the primary series, the
+``patches/topics.toml`` names (``[patch.<name>.tests]``), for every patch of the series, the
 upstream-layout tests (pytest node ids under ``patches/upstream/tests``) that show it:
 ``fails_without`` must fail on the tree without the patch, with an error containing ``reason``
 (or one of a list of them), and pass on the tree with it; ``guards`` (values the patch must not
@@ -16,7 +16,7 @@ also counts on the unpatched base (``--ends``), where a test may first fail at w
 patch of the series adds. ``branch.<B>`` changes an entry on release branch B's bases (B lacks
 what some of its tests test, or its patch is another change): ``fails_without``, ``guards``,
 ``reason`` and ``base_reason`` replace the entry's, ``skips`` are tests that must skip there
-(with ``skip_reason``) with and without the patch; a top-level ``[branch.<B>]``
+(with ``skip_reason``) with and without the patch; ``[patch-tests.branch.<B>]``
 ``base_reason`` applies to every entry on B (the unpatched base fails every test earlier).
 
 The trees are the base's sdist with a prefix of its series applied, in series order: patch k is
@@ -56,7 +56,7 @@ from moe_release.series.source import read_base_files
 from moe_release.series.trees import build_tree, write_files
 from moe_release.upstream_tests import run as harness
 
-MANIFEST = REPO_ROOT / "patches" / "upstream" / "patch-tests.toml"
+MANIFEST = REPO_ROOT / "patches" / "topics.toml"
 UPSTREAM_TESTS = REPO_ROOT / "patches" / "upstream" / "tests"
 STANDIN_UTILS = Path(__file__).resolve().parent / "standin_utils.py"
 # Ranks per launch unless an entry says otherwise: the GPUs of upstream's runners, which the
@@ -100,8 +100,10 @@ def load_manifest(path: Path = MANIFEST, tests_dir: Path = UPSTREAM_TESTS) -> Di
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise UserError(f"{path}: {exc}") from None
     out = {}
-    for name, entry in data.get("patch", {}).items():
-        where = f"{path.name}: [patch.{name!r}]"
+    for key, table in data.get("patch", {}).items():
+        name = f"{key}.patch"
+        where = f"{path.name}: [patch.{key}.tests]"
+        entry = table.get("tests", {}) if isinstance(table, dict) else {}
         known = {"file", "fails_without", "reason", "base_reason", "guards", "options", "nproc"}
         known.add("branch")
         unknown = set(entry) - known
@@ -118,7 +120,7 @@ def load_manifest(path: Path = MANIFEST, tests_dir: Path = UPSTREAM_TESTS) -> Di
         )
         if not isinstance(tests.nproc, int) or isinstance(tests.nproc, bool) or tests.nproc < 1:
             raise UserError(f"{where}: nproc must be a positive integer, got {tests.nproc!r}")
-        tests.branches = _branches(entry, where, data.get("branch", {}))
+        tests.branches = _branches(entry, where, data.get("patch-tests", {}).get("branch", {}))
         if not tests.fails_without:
             raise UserError(f"{where}: no fails_without test (each patch needs one)")
         named = [t for b in tests.branches.values() for k in ("fails_without", "guards", "skips")
@@ -145,7 +147,7 @@ def _branches(entry: dict, where: str, common: dict) -> Dict[str, dict]:
     out: Dict[str, dict] = {}
     for branch, spec in common.items():
         if not isinstance(spec, dict) or set(spec) - {"base_reason"}:
-            raise UserError(f"[branch.{branch!r}]: only base_reason may be set there")
+            raise UserError(f"[patch-tests.branch.{branch!r}]: only base_reason may be set there")
     for branch in set(entry.get("branch", {})) | set(common):
         spec = entry.get("branch", {}).get(branch, {})
         here = f"{where}: branch.{branch}"
