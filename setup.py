@@ -19,7 +19,7 @@ from setuptools import find_namespace_packages, setup
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "tools"))
 
-from moe_release.series.common import UserError  # noqa: E402
+from moe_release.common import UserError  # noqa: E402
 from moe_release.series.trees import Tree, load_tree, write_tree_atomic  # noqa: E402
 
 

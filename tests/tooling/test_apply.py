@@ -13,6 +13,7 @@ import pytest
 from conftest import AUTHOR, REPO_ROOT, trailers
 
 from moe_release import settings
+from moe_release.common import UserError
 from moe_release.series import cli
 from moe_release.series.applying import APPLIED, CONFLICT, LANDED, NOT_APPLICABLE, REPLAYED
 from moe_release.series.checkout import (
@@ -20,7 +21,6 @@ from moe_release.series.checkout import (
     build_checkout_trees,
     verify_checkout_install,
 )
-from moe_release.series.common import UserError
 from moe_release.series.git import format_patches, git, git_env
 from moe_release.series.merge import Resolution, file_diff, has_markers, merge_file
 from moe_release.series.pins import load_pins

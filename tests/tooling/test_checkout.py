@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from test_apply import FA, PS, TD, _apply, _commit, _git, mlm  # noqa: F401 (mlm: a fixture)
 
+from moe_release.common import UserError
 from moe_release.series import cli
 from moe_release.series.checkout import (
     LABEL_SUBJECT,
@@ -23,7 +24,6 @@ from moe_release.series.checkout import (
     unpatched_commit,
     verify_checkout_install,
 )
-from moe_release.series.common import UserError
 from moe_release.series.repo import overlay_files
 from moe_release.series.trees import MANIFEST_PATH
 from moe_release.series.verbs.apply import open_checkout

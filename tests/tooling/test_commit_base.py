@@ -14,7 +14,7 @@ import pytest
 from conftest import AUTHOR, REPO_ROOT, run_git, trailers
 from packaging.requirements import Requirement
 
-from moe_release.series.common import UserError
+from moe_release.common import UserError
 from moe_release.series.git import create_edit_repo, export_series
 from moe_release.series.pins import load_pins
 from moe_release.series.source import (

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from moe_release.common import UserError
 from moe_release.series import cli
-from moe_release.series.common import UserError
 from moe_release.series.patches import parse_patch
 from moe_release.series.repo import read_series
 from moe_release.series.trees import build_tree

@@ -2,7 +2,7 @@
 
 import pytest
 
-from moe_release.series.common import UserError
+from moe_release.common import UserError
 from moe_release.series.verbs.matrix import (
     BEGIN,
     END,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import AUTHOR, REPO_ROOT, name_for, run_git, trailers
 
-from moe_release.series.common import UserError
+from moe_release.common import UserError
 from moe_release.series.git import create_edit_repo, export_series, format_patches
 from moe_release.series.patches import (
     apply_file_patch,

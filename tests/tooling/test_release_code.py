@@ -8,7 +8,7 @@ unless drift.NOT_CARRIED names it for that series with the reason.
 import pytest
 
 from moe_release import settings
-from moe_release.series.common import UserError
+from moe_release.common import UserError
 from moe_release.series.verbs import drift
 
 TD = "megatron/core/transformer/moe/token_dispatcher.py"

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from moe_release import settings
+from moe_release.common import REPO_ROOT, UserError
 from moe_release.series.cli import main as cli_main
-from moe_release.series.common import REPO_ROOT, UserError
 from moe_release.series.patches import check_trailers, parse_patch, upstream_subject
 from moe_release.series.pins import load_pins
 from moe_release.series.repo import read_series

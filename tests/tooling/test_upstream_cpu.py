@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from moe_release import settings
-from moe_release.series.common import UserError
+from moe_release.common import UserError
 from moe_release.series.pins import load_pins
 from moe_release.series.repo import read_series
 from moe_release.upstream_tests import per_patch

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_release.series.common import REPO_ROOT
+from moe_release.common import REPO_ROOT
 from moe_release.series.patches import parse_patch
 from moe_release.series.repo import read_series
 from moe_release.series.trees import build_tree

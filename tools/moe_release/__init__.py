@@ -5,6 +5,8 @@
 One package of layered rooms, lowest first; a room imports its own modules and lower rooms only
 (``tests/tooling/test_import_layers.py`` keeps it so):
 
+* :mod:`moe_release.common` - the repository root (``REPO_ROOT``, defined here only), user
+  errors, progress;
 * :mod:`moe_release.settings`, :mod:`moe_release.backends` - the environment variables the
   tooling reads, and the flex dispatcher's backends, each written once;
 * :mod:`moe_release.series` - pins, patches, sdists, trees, the merge engine; its verbs

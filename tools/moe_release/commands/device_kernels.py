@@ -29,7 +29,8 @@ import tempfile
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-REPO = Path(__file__).resolve().parents[3]
+from moe_release.common import REPO_ROOT
+
 FOLDER = Path(".build") / "device-kernels"
 SCRIPT = Path("scripts") / "device-kernels.sh"
 # megatron-core 0.19.2's CI pins DeepEP de0dd11 (docker/Dockerfile.ci.dev:85 of core_r0.19.0).
@@ -81,7 +82,7 @@ def size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
 
 
-def tracked_size(repo: Path = REPO) -> int:
+def tracked_size(repo: Path = REPO_ROOT) -> int:
     """Bytes of the repository's tracked files (what travels besides ``carry``)."""
     out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z"], capture_output=True).stdout
     return sum((repo / p).stat().st_size for p in out.decode().split("\0")
@@ -93,7 +94,7 @@ def prepare(
     deep_ep_repo: Path,
     base_tree: Path,
     patched_tree: Path,
-    repo: Path = REPO,
+    repo: Path = REPO_ROOT,
     pin: str = DEEP_EP_PIN,
     nearest: str = DEEP_EP_NEAREST,
 ) -> List[str]:
@@ -145,14 +146,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("verb", choices=["prepare"])
     parser.add_argument("--deep-ep", type=Path, default=None,
                         help="a deep_ep git repository (default: $DEEP_EP_SRC)")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=REPO / FOLDER)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / FOLDER)
     args = parser.parse_args(argv)
     source = args.deep_ep or settings.deep_ep_src()
     try:
         if source is None:
             raise PrepareError("name a deep_ep git repository with the hybrid-ep branch: "
                                "--deep-ep PATH or DEEP_EP_SRC=PATH")  # fmt: skip
-        base, patched = ensure_trees(REPO)
+        base, patched = ensure_trees(REPO_ROOT)
         lines = prepare(args.out, Path(source), base, patched)
     except PrepareError as exc:
         print(f"device-check kernels: {exc}", file=sys.stderr)

@@ -30,11 +30,11 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from moe_release.common import REPO_ROOT
 from moe_release.runtime.megatron import fault_cells as fc
 from moe_release.runtime.megatron import fault_scenarios as fs
 
-REPO = Path(__file__).resolve().parents[3]
-OUT_DIR = REPO / ".build" / "fault-matrix"
+OUT_DIR = REPO_ROOT / ".build" / "fault-matrix"
 # Each row: the series patches it applies, by a name fragment of the last one (None: all;
 # "" no series), or an explicit list of name fragments.
 ROWS = {
@@ -75,16 +75,17 @@ def snapshot(rev: Optional[str], dest: Path) -> Path:
     # The tooling moved from scripts/ to tools/ (a revision before the move has no tools/).
     if rev is None:
         for name in SNAPSHOT_DIRS:
-            shutil.copytree(REPO / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+            ignore = shutil.ignore_patterns("__pycache__")
+            shutil.copytree(REPO_ROOT / name, dest / name, ignore=ignore)
     else:
         listed = subprocess.run(
-            ["git", "-C", str(REPO), "ls-tree", "--name-only", rev, *SNAPSHOT_DIRS],
+            ["git", "-C", str(REPO_ROOT), "ls-tree", "--name-only", rev, *SNAPSHOT_DIRS],
             check=True,
             capture_output=True,
             text=True,
         ).stdout.split()
         data = subprocess.run(
-            ["git", "-C", str(REPO), "archive", rev, *listed],
+            ["git", "-C", str(REPO_ROOT), "archive", rev, *listed],
             check=True,
             capture_output=True,
         ).stdout

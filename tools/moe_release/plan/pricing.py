@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-PACKAGE = Path(__file__).resolve().parents[3] / "megatron/core/transformer/moe/moe_memory_planner"
+from moe_release.common import REPO_ROOT
+
+PACKAGE = REPO_ROOT / "megatron/core/transformer/moe/moe_memory_planner"
 NAME = "moe_memory_planner"
 
 

@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from moe_release import backends
+from moe_release.common import REPO_ROOT
 from moe_release.report import colocated_section, overlap_section, step_profile
 from moe_release.report.config import (
     DISPATCHERS,
     GOLDEN_CONFIG,
     MAIN,
     QUICK,
-    REPO_ROOT,
     SWEEP_LAYERS,
     SWEEP_TOKENS,
     base_label,

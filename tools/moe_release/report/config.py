@@ -13,7 +13,6 @@ from moe_release.report.runtime import (
 )
 from moe_release.series.trees import ensure_trees
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
 MAIN = dict(
     layers=4, tokens=2048, seq=256, hidden=64, ffn=128, heads=4, experts=8, topk=2, vocab=1024,
     backend="hybridep", seed=1234, steps=5,

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-ROOT = Path(__file__).resolve().parents[3]
+from moe_release.common import REPO_ROOT
 
 SEED_SHAPE = dict(hidden=2048, experts=256, topk=8, ffn=768, layers=8)
 SEED_TOKENS = (89_600, 105_153)  # rank 0, rank 1 (seed 000: "rank 1 (105,153 tokens)")
@@ -419,7 +419,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="run-report --production-shape", description=__doc__)
     parser.add_argument("--tiny", action="store_true", help="the tiny shape (seconds)")
     parser.add_argument("--layers", type=int, default=None, help="MoE layers (default 8)")
-    parser.add_argument("--out", default=str(ROOT / ".build/report"))
+    parser.add_argument("--out", default=str(REPO_ROOT / ".build/report"))
     args = parser.parse_args(argv)
     shape = dict(TINY_SHAPE if args.tiny else SEED_SHAPE)
     if args.layers:

@@ -4,7 +4,6 @@
 
 Pure functions over bytes and their I/O are kept apart:
 
-* ``common`` - repository root, ``UserError``, progress on stderr
 * ``backends`` - the flex dispatcher's backends: one registry, and which a tree has
 * ``settings`` - every environment variable the tooling reads, one accessor each
 * ``pins`` - ``patches/pins.toml``

@@ -28,7 +28,7 @@ import dataclasses
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
-from moe_release.series.common import UserError
+from moe_release.common import UserError
 from moe_release.series.hunkstate import files_series_states
 from moe_release.series.merge import (
     Conflict,

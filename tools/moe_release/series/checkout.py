@@ -29,7 +29,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
-from moe_release.series.common import REPO_ROOT, UserError, log
+from moe_release.common import REPO_ROOT, UserError, log
 from moe_release.series.patches import LABEL_PREFIX, parse_patch, sha256_bytes, stamp_package_info
 from moe_release.series.pins import Base, load_pins
 from moe_release.series.repo import overlay_files, read_series

@@ -36,12 +36,12 @@ from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
 from moe_release import settings
+from moe_release.common import UserError, log
 from moe_release.series.checkout import (
     build_checkout_trees,
     is_checkout_manifest,
     verify_checkout_install,
 )
-from moe_release.series.common import UserError, log
 from moe_release.series.git import create_edit_repo, export_series
 from moe_release.series.nearest import SERIES_START
 from moe_release.series.patches import overlay_label, parse_patch

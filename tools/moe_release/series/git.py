@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
-from moe_release.series.common import REPO_ROOT, UserError
+from moe_release.common import REPO_ROOT, UserError
 from moe_release.series.patches import (
     NAME_TRAILER,
     check_trailers,

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
-from moe_release.series.common import UserError
+from moe_release.common import UserError
 from moe_release.series.git import git_env
 from moe_release.series.imports import lost_imports, merge_imports
 from moe_release.series.patches import FilePatch, Patch, apply_file_patch, parse_patch

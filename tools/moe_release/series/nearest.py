@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 from typing import Optional, Sequence
 
-from moe_release.series.common import REPO_ROOT, UserError
+from moe_release.common import REPO_ROOT, UserError
 from moe_release.series.git import git
 from moe_release.series.merge import (
     Files,

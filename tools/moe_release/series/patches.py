@@ -16,7 +16,7 @@ import hashlib
 import re
 from typing import Optional, Sequence
 
-from moe_release.series.common import UserError
+from moe_release.common import UserError
 from moe_release.series.pins import Base
 
 LABEL_PREFIX = "moerelease"

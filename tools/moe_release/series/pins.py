@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 from typing import Optional
 
-from moe_release.series.common import REPO_ROOT, UserError
+from moe_release.common import REPO_ROOT, UserError
 
 PINS_FILE = REPO_ROOT / "patches" / "pins.toml"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moe_release.series.common import REPO_ROOT, UserError
+from moe_release.common import REPO_ROOT, UserError
 from moe_release.series.patches import parse_series
 from moe_release.series.pins import Base
 

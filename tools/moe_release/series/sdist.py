@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from moe_release import settings
-from moe_release.series.common import UserError, log
+from moe_release.common import UserError, log
 from moe_release.series.pins import Base
 
 

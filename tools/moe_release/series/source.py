@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 from moe_release import settings
-from moe_release.series.common import UserError
+from moe_release.common import UserError
 from moe_release.series.pins import Base
 from moe_release.series.sdist import fetch_sdist, read_sdist
 

@@ -21,7 +21,7 @@ import tomllib
 from pathlib import Path
 from typing import Optional
 
-from moe_release.series.common import REPO_ROOT, UserError
+from moe_release.common import REPO_ROOT, UserError
 
 TOPICS_FILE = "patches/topics.toml"
 # The memory PRs (every topic but the CPU-import fix) as one series, in series order.

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
-from moe_release.series.common import REPO_ROOT, UserError, log
+from moe_release.common import REPO_ROOT, UserError, log
 from moe_release.series.patches import (
     apply_file_patch,
     overlay_label,

@@ -48,7 +48,7 @@ import tomllib
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from moe_release.series.common import REPO_ROOT, UserError
+from moe_release.common import REPO_ROOT, UserError
 from moe_release.series.patches import name_of, parse_patch
 from moe_release.series.pins import Base, load_pins
 from moe_release.series.repo import read_series

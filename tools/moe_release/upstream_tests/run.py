@@ -52,7 +52,9 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-TOOLS = Path(__file__).resolve().parents[2]
+from moe_release.common import REPO_ROOT
+
+TOOLS = REPO_ROOT / "tools"
 
 
 def free_port() -> int:

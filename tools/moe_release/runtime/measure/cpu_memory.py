@@ -25,8 +25,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from moe_release import settings
+from moe_release.common import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[4]
 SOURCE = Path(__file__).with_name("cpu_memory_counter.cpp")
 
 _lib: Optional[ctypes.CDLL] = None

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from moe_release import settings
+from moe_release.common import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[4]
 TOOLS = REPO_ROOT / "tools"
 
 

@@ -44,6 +44,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
+from moe_release.common import REPO_ROOT, UserError, log
 from moe_release.series.applying import (
     APPLIED,
     CONFLICT,
@@ -68,7 +69,6 @@ from moe_release.series.checkout import (
     label_files,
     series_subjects,
 )
-from moe_release.series.common import REPO_ROOT, UserError, log
 from moe_release.series.git import COMMITTER_IDENT, FORMAT_PATCH_FLAGS, git, git_env
 from moe_release.series.hunkstate import files_series_states
 from moe_release.series.imports import isort_style

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from moe_release.series.common import REPO_ROOT, UserError
+from moe_release.common import REPO_ROOT, UserError
 from moe_release.series.git import create_edit_repo, format_patches
 from moe_release.series.patches import check_trailers, name_problems, parse_patch, parse_series
 from moe_release.series.pins import Base

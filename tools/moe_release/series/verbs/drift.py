@@ -156,7 +156,7 @@ def compare_all(
     """Compare every series that can be read here with the primary series: (names of the bases
     compared, problems). Commit bases need a Megatron-LM checkout (``checkout`` or
     ``$MOE_RELEASE_MEGATRON_LM``); without one they are not compared."""
-    from moe_release.series.common import REPO_ROOT
+    from moe_release.common import REPO_ROOT
     from moe_release.series.pins import load_pins
     from moe_release.series.repo import read_series
     from moe_release.series.source import available, read_base_files

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moe_release.series.common import UserError
+from moe_release.common import UserError
 from moe_release.series.hunkstate import PatchState, dir_series_states
 from moe_release.series.patches import Patch
 

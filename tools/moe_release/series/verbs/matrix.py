@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Optional
 
 from moe_release.backends import NAMES, ONLY_SOME_TREES, available
-from moe_release.series.common import REPO_ROOT, UserError
+from moe_release.common import REPO_ROOT, UserError
 from moe_release.series.patches import overlay_label
 from moe_release.series.pins import Base, load_pins
 from moe_release.series.repo import overlay_files, read_series

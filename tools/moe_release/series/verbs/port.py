@@ -35,7 +35,7 @@ import textwrap
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from moe_release.series.common import REPO_ROOT, UserError, log
+from moe_release.common import REPO_ROOT, UserError, log
 from moe_release.series.git import GIT_AM_FLAGS, format_patches, git, git_env
 from moe_release.series.hunkstate import files_state
 from moe_release.series.merge import (

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from moe_release.common import REPO_ROOT, UserError
 from moe_release.series.applying import (
     APPLIED,
     CONFLICT,
@@ -37,7 +38,6 @@ from moe_release.series.applying import (
     whole,
 )
 from moe_release.series.checkout import APPLY_DIR
-from moe_release.series.common import REPO_ROOT, UserError
 from moe_release.series.imports import isort_style
 from moe_release.series.merge import Files, Resolution, parse_diff, series_states
 from moe_release.series.nearest import SERIES_START, Checkout, anchors, renames

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
-from moe_release.series.common import REPO_ROOT, UserError
+from moe_release.common import REPO_ROOT, UserError
 from moe_release.series.git import create_edit_repo, format_patches
 from moe_release.series.patches import Patch, name_of, parse_patch, upstream_subject
 from moe_release.series.pins import Base, load_pins
