@@ -9,7 +9,7 @@ import pytest
 
 from moe_release import settings
 from moe_release.common import UserError
-from moe_release.series.verbs import drift
+from moe_release.series import drift
 
 TD = "megatron/core/transformer/moe/token_dispatcher.py"
 

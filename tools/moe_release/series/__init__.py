@@ -20,9 +20,10 @@ Pure functions over bytes and their I/O are kept apart:
 * ``port`` - the 3-way port of the primary series onto the other series
 * ``landed`` - which patches a checkout already holds
 * ``matrix`` - the compatibility matrix from the pins and the recorded test runs
+* ``drift`` - the release code compared across series: one implementation on every branch
 * ``cli`` - the verbs
 
-The verbs (``apply``, ``port``, ``upstream``, ``check``, ``landed``, ``drift``, ``matrix``) live
+The verbs (``apply``, ``port``, ``upstream``, ``check``, ``landed``, ``matrix``) live
 in :mod:`.verbs` and never import each other; only ``cli`` imports them
 (tests/tooling/test_import_layers.py).
 """
