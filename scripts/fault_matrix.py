@@ -3,9 +3,9 @@
 
 """The fault matrix: what a GPU job meets when something goes wrong (docs/fault-matrix.md).
 
-The command is :func:`moe_release.commands.fault_matrix.main` (tools/moe_release); this script runs
-it from a checkout without installing the package: ``tools/`` goes on ``sys.path`` in place of this
-script's directory.
+The command is ``moe_release.py fault-matrix``, whose alias ``fault_matrix`` this script names
+(:func:`moe_release.commands.cli.main`, tools/moe_release); this script runs it from a checkout
+without installing the package: ``tools/`` goes on ``sys.path`` in place of this script's directory.
 """
 
 import sys
@@ -16,7 +16,7 @@ sys.path[:] = [str(_HERE.parents[0] / "tools")] + [
     p for p in sys.path if Path(p or ".").resolve() != _HERE
 ]
 
-from moe_release.commands.fault_matrix import main  # noqa: E402
+from moe_release.commands.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["fault_matrix", *sys.argv[1:]]))

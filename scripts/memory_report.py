@@ -3,9 +3,9 @@
 
 """Side-by-side memory report: unpatched megatron-core against the moe-release series.
 
-The command is :func:`moe_release.report.cli.main` (tools/moe_release); this script runs it from a
-checkout without installing the package: ``tools/`` goes on ``sys.path`` in place of this script's
-directory.
+The command is ``moe_release.py report``, whose alias ``memory_report`` this script names
+(:func:`moe_release.commands.cli.main`, tools/moe_release); this script runs it from a checkout
+without installing the package: ``tools/`` goes on ``sys.path`` in place of this script's directory.
 """
 
 import sys
@@ -16,7 +16,7 @@ sys.path[:] = [str(_HERE.parents[0] / "tools")] + [
     p for p in sys.path if Path(p or ".").resolve() != _HERE
 ]
 
-from moe_release.report.cli import main  # noqa: E402
+from moe_release.commands.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["memory_report", *sys.argv[1:]]))

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
-"""moe-release: maintain the MoE dispatcher patch series (``python scripts/moe_release.py VERB``).
+"""moe-release: every command of the tooling (``python scripts/moe_release.py VERB``, or
+``scripts/moe-release VERB``, a link to this script): the series' verbs and the tools.
 
-The command is :func:`moe_release.series.cli.main` (tools/moe_release); this script runs it from a
-checkout without installing the package: ``tools/`` goes on ``sys.path`` in place of this script's
-directory.
+The command is :func:`moe_release.commands.cli.main` (tools/moe_release); this script runs it from
+a checkout without installing the package: ``tools/`` goes on ``sys.path`` in place of this
+script's directory.
 """
 
 import sys
@@ -16,7 +17,7 @@ sys.path[:] = [str(_HERE.parents[0] / "tools")] + [
     p for p in sys.path if Path(p or ".").resolve() != _HERE
 ]
 
-from moe_release.series.cli import main  # noqa: E402
+from moe_release.commands.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,9 +3,10 @@
 
 """One backend's retained and peak terms at the production shape (docs/report.md).
 
-The command is :func:`moe_release.commands.production_shape_terms.main` (tools/moe_release); this
-script runs it from a checkout without installing the package: ``tools/`` goes on ``sys.path`` in
-place of this script's directory.
+The command is ``moe_release.py production-shape-terms``, whose alias ``production_shape_terms``
+this script names (:func:`moe_release.commands.cli.main`, tools/moe_release); this script runs it
+from a checkout without installing the package: ``tools/`` goes on ``sys.path`` in place of this
+script's directory.
 """
 
 import sys
@@ -16,7 +17,7 @@ sys.path[:] = [str(_HERE.parents[0] / "tools")] + [
     p for p in sys.path if Path(p or ".").resolve() != _HERE
 ]
 
-from moe_release.commands.production_shape_terms import main  # noqa: E402
+from moe_release.commands.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["production_shape_terms", *sys.argv[1:]]))

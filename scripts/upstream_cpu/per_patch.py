@@ -3,9 +3,9 @@
 
 """Each patch's upstream tests, failing on the base and passing with the patch (per patch).
 
-The command is :func:`moe_release.upstream_tests.per_patch.main` (tools/moe_release); this script
-runs it from a checkout without installing the package: ``tools/`` goes on ``sys.path`` in place of
-this script's directory.
+The command is ``moe_release.py per-patch``, whose alias ``per_patch`` this script names
+(:func:`moe_release.commands.cli.main`, tools/moe_release); this script runs it from a checkout
+without installing the package: ``tools/`` goes on ``sys.path`` in place of this script's directory.
 """
 
 import sys
@@ -16,7 +16,7 @@ sys.path[:] = [str(_HERE.parents[1] / "tools")] + [
     p for p in sys.path if Path(p or ".").resolve() != _HERE
 ]
 
-from moe_release.upstream_tests.per_patch import main  # noqa: E402
+from moe_release.commands.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["per_patch", *sys.argv[1:]]))

@@ -3,9 +3,9 @@
 
 """Run upstream Megatron-LM unit tests in a checkout on CPU ranks over gloo, and count them.
 
-The command is :func:`moe_release.upstream_tests.run.main` (tools/moe_release); this script runs it
-from a checkout without installing the package: ``tools/`` goes on ``sys.path`` in place of this
-script's directory.
+The command is ``moe_release.py upstream-cpu``, whose alias ``upstream_cpu`` this script names
+(:func:`moe_release.commands.cli.main`, tools/moe_release); this script runs it from a checkout
+without installing the package: ``tools/`` goes on ``sys.path`` in place of this script's directory.
 """
 
 import sys
@@ -16,7 +16,7 @@ sys.path[:] = [str(_HERE.parents[1] / "tools")] + [
     p for p in sys.path if Path(p or ".").resolve() != _HERE
 ]
 
-from moe_release.upstream_tests.run import main  # noqa: E402
+from moe_release.commands.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["upstream_cpu", *sys.argv[1:]]))

@@ -13,8 +13,17 @@ import pytest
 from conftest import AUTHOR, REPO_ROOT, trailers
 
 from moe_release import settings
+from moe_release.commands import apply as apply_mod
+from moe_release.commands import cli
+from moe_release.commands.apply import (
+    choose_series,
+    open_checkout,
+    resolution_path,
+    run_apply,
+)
+from moe_release.commands.check import check_base
+from moe_release.commands.sweep import BORROWED, CODES, SETTLED, summary_lines, sweep
 from moe_release.common import UserError
-from moe_release.series import cli
 from moe_release.series.applying import APPLIED, CONFLICT, LANDED, NOT_APPLICABLE, REPLAYED
 from moe_release.series.checkout import (
     LABEL_SUBJECT,
@@ -25,15 +34,6 @@ from moe_release.series.git import format_patches, git, git_env
 from moe_release.series.merge import Resolution, file_diff, has_markers, merge_file
 from moe_release.series.pins import load_pins
 from moe_release.series.source import CHECKOUT_ENV
-from moe_release.series.verbs import apply as apply_mod
-from moe_release.series.verbs.apply import (
-    choose_series,
-    open_checkout,
-    resolution_path,
-    run_apply,
-)
-from moe_release.series.verbs.check import check_base
-from moe_release.series.verbs.sweep import BORROWED, CODES, SETTLED, summary_lines, sweep
 
 TD = "megatron/core/transformer/moe/token_dispatcher.py"
 FA = "megatron/core/transformer/moe/fused_a2a.py"
@@ -755,7 +755,7 @@ def test_sweep_command(mlm, capsys, tmp_path, monkeypatch):
     """The command: a row per commit, the summary, --write's page; exit 1 while a commit
     conflicts; bad input is one line and exit 2, nothing written."""
     m, c, repo = mlm
-    monkeypatch.setattr("moe_release.series.verbs.sweep.REPO_ROOT", repo)
+    monkeypatch.setattr("moe_release.commands.sweep.REPO_ROOT", repo)
     page = tmp_path / "sweep.md"
     assert cli.main(["sweep", str(m), "--write", str(page)]) == 1
     out = capsys.readouterr().out

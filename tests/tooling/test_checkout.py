@@ -14,8 +14,16 @@ from pathlib import Path
 import pytest
 from test_apply import FA, PS, TD, _apply, _commit, _git, mlm  # noqa: F401 (mlm: a fixture)
 
+from moe_release.commands import cli
+from moe_release.commands.apply import open_checkout
+from moe_release.commands.matrix import (
+    compare_lines,
+    record_run,
+    retention_passed_unpatched,
+    table,
+)
+from moe_release.commands.verify import find_installed_core
 from moe_release.common import UserError
-from moe_release.series import cli
 from moe_release.series.checkout import (
     LABEL_SUBJECT,
     ORIGIN,
@@ -26,14 +34,6 @@ from moe_release.series.checkout import (
 )
 from moe_release.series.repo import overlay_files
 from moe_release.series.trees import MANIFEST_PATH
-from moe_release.series.verbs.apply import open_checkout
-from moe_release.series.verbs.check import find_installed_core
-from moe_release.series.verbs.matrix import (
-    compare_lines,
-    record_run,
-    retention_passed_unpatched,
-    table,
-)
 
 PLANNER = "megatron/core/transformer/moe/moe_memory_planner/__init__.py"
 # Megatron-LM's packaging, as its pyproject.toml has it (the version read from package_info.py,
@@ -167,7 +167,7 @@ def test_a_checkout_run_is_a_matrix_row_with_the_unpatched_outcomes(
     assert retention_passed_unpatched(record) == []
     # A retention test that passes without the series shows no fix: named, and exit status 1.
     _junit(tmp_path / "u.xml", {retention: release, equal: guard})
-    monkeypatch.setattr(cli, "record_run", partial(record_run, root=repo))
+    monkeypatch.setattr("moe_release.commands.matrix.record_run", partial(record_run, root=repo))
     assert cli.main(["matrix", "--record", "checkout-4ad697b581ec", "--junit",
                      str(tmp_path / "p.xml"), "--unpatched-junit", str(tmp_path / "u.xml"),
                      "--source", source, "--tree", str(tree), "--seconds", "1", "--status",
@@ -230,7 +230,10 @@ def test_pip_install_of_the_branch_is_the_labelled_drop_in(
     assert set(manifest["files"]) >= {TD, FA, PS, PLANNER, "megatron/core/package_info.py"}
     assert verify_checkout_install(core, dist_version, manifest, root=repo) == []
     # The verb: told a checkout's build by its installed manifest (this repo: the synthetic one).
-    monkeypatch.setattr(cli, "verify_checkout_install", partial(verify_checkout_install, root=repo))
+    monkeypatch.setattr(
+        "moe_release.commands.verify.verify_checkout_install",
+        partial(verify_checkout_install, root=repo),
+    )
     assert cli.main(["verify", "--python", python]) == 0
     assert capsys.readouterr().out.startswith(
         f"OK: megatron-core {version} at {core} matches the series of {manifest['base']['pin']} "

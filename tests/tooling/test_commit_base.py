@@ -14,6 +14,7 @@ import pytest
 from conftest import AUTHOR, REPO_ROOT, run_git, trailers
 from packaging.requirements import Requirement
 
+from moe_release.commands.check import check_base
 from moe_release.common import UserError
 from moe_release.series.git import create_edit_repo, export_series
 from moe_release.series.pins import load_pins
@@ -25,7 +26,6 @@ from moe_release.series.source import (
     read_commit,
 )
 from moe_release.series.trees import MANIFEST_PATH, load_tree
-from moe_release.series.verbs.check import check_base
 
 SCRIPT = str(REPO_ROOT / "scripts" / "moe_release.py")
 FILES = {

@@ -1,5 +1,7 @@
-"""The tooling's commands: one entry point each (``tools/pyproject.toml``), and the scripts under
-``scripts/`` are shims over the same functions, so both spellings of a command agree."""
+"""The tooling's commands: one entry point (``moe-release``, ``tools/pyproject.toml``) over one
+registry, and the scripts under ``scripts/`` are shims over the same ``main``, each naming its
+command; a tool's own installed command runs the function its registered command runs, so every
+spelling of a command agrees."""
 
 import ast
 import importlib
@@ -9,20 +11,22 @@ import sys
 import sysconfig
 import tomllib
 import venv
+from pathlib import Path
 
 from conftest import REPO_ROOT
 
 PYPROJECT = REPO_ROOT / "tools" / "pyproject.toml"
 ENTRY_POINTS = tomllib.loads(PYPROJECT.read_text())["project"]["scripts"]
-# The commands users' scripts call, by their path under scripts/.
+# The commands users' scripts call, by their path under scripts/: the installed command of the
+# same tool, and the word the shim hands ``main`` (None: the whole command).
 SHIMS = {
-    "moe_release.py": "moe-release",
-    "moe_memory_plan.py": "moe-memory-plan",
-    "memory_report.py": "moe-memory-report",
-    "fault_matrix.py": "moe-fault-matrix",
-    "production_shape_terms.py": "moe-production-shape-terms",
-    "upstream_cpu/run.py": "moe-upstream-cpu",
-    "upstream_cpu/per_patch.py": "moe-upstream-per-patch",
+    "moe_release.py": ("moe-release", None),
+    "moe_memory_plan.py": ("moe-memory-plan", "moe_memory_plan"),
+    "memory_report.py": ("moe-memory-report", "memory_report"),
+    "fault_matrix.py": ("moe-fault-matrix", "fault_matrix"),
+    "production_shape_terms.py": ("moe-production-shape-terms", "production_shape_terms"),
+    "upstream_cpu/run.py": ("moe-upstream-cpu", "upstream_cpu"),
+    "upstream_cpu/per_patch.py": ("moe-upstream-per-patch", "per_patch"),
 }
 
 
@@ -35,6 +39,16 @@ def _shim_target(path) -> str:
     return f"{node.module}:{node.names[0].name}"
 
 
+def _shim_word(path):
+    """The command word the shim hands ``main`` (None: ``main()``, the whole command)."""
+    (call,) = [
+        n
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "main"
+    ]
+    return call.args[0].elts[0].value if call.args else None
+
+
 def test_every_entry_point_is_a_function():
     for name, target in ENTRY_POINTS.items():
         module, func = target.split(":")
@@ -42,12 +56,26 @@ def test_every_entry_point_is_a_function():
 
 
 def test_each_script_is_the_shim_of_its_entry_point():
+    """Every shim imports moe-release's ``main`` and names its command; the registered command's
+    module runs the function the tool's installed command names."""
+    from moe_release.commands.registry import REGISTRY
+
+    REGISTRY.load("moe_release.commands")
     scripts = {
         str(p.relative_to(REPO_ROOT / "scripts")) for p in (REPO_ROOT / "scripts").rglob("*.py")
     }
     assert scripts == set(SHIMS)
-    for script, command in SHIMS.items():
-        assert _shim_target(REPO_ROOT / "scripts" / script) == ENTRY_POINTS[command], script
+    for script, (installed, word) in SHIMS.items():
+        path = REPO_ROOT / "scripts" / script
+        assert _shim_target(path) == ENTRY_POINTS["moe-release"], script
+        assert _shim_word(path) == word, script
+        if word is None:
+            continue
+        module = REGISTRY.module_of(REGISTRY.words()[word])
+        entry_module, func = ENTRY_POINTS[installed].split(":")
+        source = Path(importlib.import_module(module).__file__).read_text()
+        runs = entry_module == module or f"from {entry_module} import {func}" in source
+        assert runs, (script, installed)
 
 
 def test_a_shim_runs_from_anywhere(tmp_path):

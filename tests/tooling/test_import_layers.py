@@ -4,13 +4,20 @@ Every ``.py`` of the ``moe_release`` package (``tools/``) is parsed (no import r
 ``import`` and ``from ... import`` in it, function-level and relative ones included, is an edge
 to the module it names when that module is the package's. The rooms are layers, lowest first
 (:data:`ROOMS`); a module's room is the longest room its name starts with. A module may import
-its own room and lower rooms only; in a room of :data:`SIBLINGS_APART` (the series' verbs) no
-module imports another; no module reaches itself through its imports. ``importlib.import_module``
+its own room and lower rooms only; in a room of :data:`SIBLINGS_APART` (the commands) no module
+imports another but what they all share (:data:`SHARED`: the registry); no module reaches itself
+through its imports. ``importlib.import_module``
 of a name and subprocess targets are not edges: what they run is chosen by their caller. The
 scripts under ``scripts/`` are entry shims: each imports one ``main`` and nothing else of ours.
+
+The commands' registry (:mod:`moe_release.commands.registry`): each module of the commands
+package registers one command, named after it; names and aliases are unique; each script names a
+registered command; every command answers ``--help``.
 """
 
 import ast
+import importlib
+import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Set
@@ -30,8 +37,6 @@ ROOMS = (
     "moe_release.settings",
     "moe_release.series",
     "moe_release.backends",
-    "moe_release.series.verbs",
-    "moe_release.series.cli",
     "moe_release.runtime",
     "moe_release.runtime.measure",
     "moe_release.runtime.cuda",
@@ -44,7 +49,10 @@ ROOMS = (
     "moe_release.upstream_tests",
     "moe_release.commands",
 )
-SIBLINGS_APART = ("moe_release.series.verbs",)
+# Rooms whose modules never import each other (a command importing a command is engine code
+# left in a command), but for what they all share.
+SIBLINGS_APART = ("moe_release.commands",)
+SHARED = ("moe_release.commands.registry",)
 
 
 class Edge(NamedTuple):
@@ -154,7 +162,6 @@ def test_every_module_has_a_room(graph):
         "moe_release.common",
         "moe_release.settings",
         "moe_release.backends",
-        "moe_release.series.cli",
     }
     assert set(ROOMS) - modules_not_packages <= packages
     for name in ROOMS:
@@ -171,28 +178,37 @@ def test_no_import_reaches_up_a_room(graph):
     assert not bad, "rooms, lowest first: " + " < ".join(ROOMS) + "\n" + "\n".join(bad)
 
 
-def test_verbs_never_import_each_other(graph):
-    _, found = graph
-    bad = [
-        f"{e.where()}: {e.source} imports {e.target}"
+def sibling_edges(found: List[Edge]) -> List[Edge]:
+    """The imports of a module by its sibling in a room of :data:`SIBLINGS_APART`, but of what
+    they share (:data:`SHARED`)."""
+    return [
+        e
         for e in found
         if room(e.source) in SIBLINGS_APART
         and room(e.target) == room(e.source)
         and e.target != room(e.source)
+        and e.target not in SHARED
     ]
-    assert not bad, "a verb importing a verb is engine code left in a verb:\n" + "\n".join(bad)
 
 
-def test_a_verb_importing_a_verb_is_found():
+def test_commands_never_import_each_other(graph):
+    _, found = graph
+    bad = [f"{e.where()}: {e.source} imports {e.target}" for e in sibling_edges(found)]
+    assert not bad, (
+        "a command importing a command is engine code left in a command (move it under series/):\n"
+        + "\n".join(bad)
+    )
+
+
+def test_a_command_importing_a_command_is_found():
     f = TOOLS / "x.py"
     found = [
-        Edge("moe_release.series.verbs.apply", "moe_release.series.verbs.port", f, 1),
-        Edge("moe_release.series.verbs.apply", "moe_release.series.merge", f, 2),
+        Edge("moe_release.commands.apply", "moe_release.commands.port", f, 1),
+        Edge("moe_release.commands.apply", "moe_release.series.merge", f, 2),
+        Edge("moe_release.commands.apply", "moe_release.commands.registry", f, 3),
+        Edge("moe_release.commands.cli", "moe_release.commands.registry", f, 4),
     ]
-    bad = [
-        e for e in found if room(e.source) in SIBLINGS_APART and room(e.target) == room(e.source)
-    ]
-    assert bad == found[:1]
+    assert sibling_edges(found) == found[:1]
 
 
 def test_entry_scripts_are_shims():
@@ -326,3 +342,132 @@ def test_no_import_cycles(graph):
         for c in cycles
     ]
     assert not text, "import cycles:\n" + "\n".join(text)
+
+
+# --- the commands' registry -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def registry():
+    from moe_release.commands import registry as reg
+
+    return reg, reg.REGISTRY.load("moe_release.commands")
+
+
+def test_every_command_module_registers_once(registry):
+    """Each module of the commands package (but the registry and the entry point) registers one
+    command, named after the module; every registered command comes from one of them."""
+    reg, problems = registry
+    assert not problems, "\n".join(problems)
+    known = modules()
+    command_modules = {
+        m
+        for m in known
+        if m.startswith("moe_release.commands.") and m.rsplit(".", 1)[1] not in reg.INFRASTRUCTURE
+    }
+    registered = {reg.REGISTRY.module_of(c.name) for c in reg.REGISTRY.commands()}
+    assert registered == command_modules
+    assert len(reg.REGISTRY.commands()) == len(command_modules) >= 20
+
+
+def test_names_and_aliases_are_unique(registry):
+    reg, _ = registry
+    words = [w for c in reg.REGISTRY.commands() for w in (c.name, *c.aliases)]
+    assert len(words) == len(set(words))
+    assert set(words) == set(reg.REGISTRY.words())
+
+
+def _script_words(path: Path) -> List[str]:
+    """The command words a script hands ``main`` (a Python shim), or names after
+    ``moe_release.py`` (a shell script); a Python shim calling ``main()`` is the whole command."""
+    text = path.read_text()
+    if path.suffix != ".py":
+        return re.findall(r"moe_release\.py\"?\s+([a-z][\w-]*)", text)
+    calls = [
+        n
+        for n in ast.walk(ast.parse(text))
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "main"
+    ]
+    assert len(calls) == 1, path
+    if not calls[0].args:
+        return []
+    first = calls[0].args[0]
+    assert isinstance(first, ast.List) and isinstance(first.elts[0], ast.Constant), path
+    return [first.elts[0].value]
+
+
+def test_each_script_names_a_registered_command(registry):
+    reg, _ = registry
+    words = reg.REGISTRY.words()
+    scripts = sorted(p for p in (REPO_ROOT / "scripts").rglob("*") if p.is_file())
+    named = {p: _script_words(p) for p in scripts}
+    whole = [p.name for p in scripts if p.suffix == ".py" and not named[p]]
+    assert whole == ["moe_release.py"], "only scripts/moe_release.py runs main() with no verb"
+    assert (REPO_ROOT / "scripts" / "moe-release").resolve() == REPO_ROOT / "scripts/moe_release.py"
+    for path, found in named.items():
+        for word in found:
+            assert word in words, f"{path.relative_to(REPO_ROOT)}: {word!r} is not registered"
+    py = [p for p in scripts if p.suffix == ".py" and named[p]]
+    assert len(py) >= 6
+
+
+def test_every_command_answers_help(registry, capsys):
+    """``main([WORD, "--help"])`` prints a usage and exits 0 (argparse's exit, or a tool's
+    ``main`` returning the status) for each name and alias."""
+    from moe_release.commands.cli import main
+
+    reg, _ = registry
+    for command in reg.REGISTRY.commands():
+        for word in (command.name, *command.aliases):
+            try:
+                code = main([word, "--help"])
+            except SystemExit as exc:
+                code = exc.code
+            assert code == 0, word
+            assert capsys.readouterr().out.startswith("usage: "), word
+
+
+def _fake_package(root: Path, name: str, modules: Dict[str, str]) -> None:
+    """A commands package ``name`` under ``root``: its own registry, one module per entry."""
+    pkg = root / name
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "from moe_release.commands.registry import Registry\nREG = Registry()\n"
+    )
+    for module, body in modules.items():
+        (pkg / f"{module}.py").write_text(
+            "from moe_release.commands.registry import Command\n"
+            f"from {name} import REG\n\n"
+            "def run(args):\n    return 0\n\n" + body
+        )
+
+
+def test_the_registry_check_can_fail(tmp_path, monkeypatch):
+    """A module registering twice, none, a name not its own or a taken name is reported; one
+    registering once under its name is not."""
+    from moe_release.commands.registry import RegistryError
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    once = 'REG.register(Command("{}", "h", run, aliases={}))\n'
+    _fake_package(
+        tmp_path,
+        "fake_commands",
+        {
+            "good_one": once.format("good-one", "('good',)"),
+            "twice": once.format("twice", "()") + once.format("twice-again", "()"),
+            "silent": "",
+            "misnamed": once.format("other", "()"),
+            "taken": once.format("taken", "('good',)"),
+            "registry": "",  # infrastructure: not a command
+        },
+    )
+    reg = importlib.import_module("fake_commands").REG
+    problems = reg.load("fake_commands")
+    text = "\n".join(problems)
+    assert len(problems) == 4, text
+    for bad in ("twice", "silent", "misnamed", "taken"):
+        assert f"fake_commands.{bad}:" in text
+    assert "fake_commands.good_one:" not in text and "fake_commands.registry" not in text
+    assert [c.name for c in reg.commands()] == ["good-one", "other", "twice", "twice-again"]
+    with pytest.raises(RegistryError, match="'good-one' is taken"):
+        reg.register(reg.commands()[0])

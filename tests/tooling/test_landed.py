@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 
+from moe_release.commands import cli
+from moe_release.commands.landed import landed_states
 from moe_release.common import UserError
-from moe_release.series import cli
 from moe_release.series.patches import parse_patch
 from moe_release.series.repo import read_series
 from moe_release.series.trees import build_tree
-from moe_release.series.verbs.landed import landed_states
 
 
 def _checkout(tmp_path: Path, base, base_files, patches) -> Path:

@@ -2,8 +2,7 @@
 
 import pytest
 
-from moe_release.common import UserError
-from moe_release.series.verbs.matrix import (
+from moe_release.commands.matrix import (
     BEGIN,
     END,
     column,
@@ -12,6 +11,7 @@ from moe_release.series.verbs.matrix import (
     table,
     update_file,
 )
+from moe_release.common import UserError
 
 # What tests/unit_tests/conftest.py writes for a test marked `backport` (a release test).
 RELEASE = '<properties><property name="moe_release_test" value="backport"/></properties>'

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import AUTHOR, REPO_ROOT, name_for, run_git, trailers
 
+from moe_release.commands.check import check_base
+from moe_release.commands.verify import verify_installed
 from moe_release.common import UserError
 from moe_release.series.git import create_edit_repo, export_series, format_patches
 from moe_release.series.patches import (
@@ -31,7 +33,6 @@ from moe_release.series.trees import (
     load_tree,
     materialize,
 )
-from moe_release.series.verbs.check import check_base, verify_installed
 
 SCRIPT = REPO_ROOT / "scripts" / "moe_release.py"
 PRINT_VERSION = "import runpy, sys; print(runpy.run_path(sys.argv[1])['__version__'])"
@@ -487,7 +488,7 @@ def test_verify_says_what_the_install_releases(tmp_path, repo):
     """verify's last line: what the installed megatron-core releases, of the backends and paths
     it has (probes.releases_line), and what it leaves unreleased: none for the series; the
     base's fused_a2a.py put back leaves every communication buffer unreleased."""
-    from moe_release.series.cli import installed_releases
+    from moe_release.series.probes import installed_releases
 
     site = tmp_path / "site"
     materialize(site, root=repo)
@@ -506,7 +507,7 @@ def test_verify_says_what_the_install_releases(tmp_path, repo):
 def test_verify_reads_the_base_from_the_installed_manifest(tmp_path, repo):
     """After `MOE_RELEASE_BASE=0.17.0 pip install .`, a plain verify checks the install against
     0.17.0's series, read from the manifest the wheel carries (not the primary's)."""
-    from moe_release.series.cli import _installed_pin
+    from moe_release.commands.verify import _installed_pin
 
     site = tmp_path / "site"
     tree = materialize(site, "0.17.0", root=repo)

@@ -9,12 +9,8 @@ from pathlib import Path
 from conftest import AUTHOR, REPO_ROOT, name_for, run_git, trailers
 
 from moe_release import settings
-from moe_release.series.git import create_edit_repo, export_series
-from moe_release.series.patches import parse_patch, parse_series
-from moe_release.series.pins import load_pins
-from moe_release.series.source import CHECKOUT_ENV
-from moe_release.series.verbs.check import check_base
-from moe_release.series.verbs.port import (
+from moe_release.commands.check import check_base
+from moe_release.commands.port import (
     RESOLUTIONS,
     all_target_names,
     get_target,
@@ -22,6 +18,10 @@ from moe_release.series.verbs.port import (
     report_lines,
     target_name,
 )
+from moe_release.series.git import create_edit_repo, export_series
+from moe_release.series.patches import parse_patch, parse_series
+from moe_release.series.pins import load_pins
+from moe_release.series.source import CHECKOUT_ENV
 
 # A Megatron-LM repository holding the commit bases, where settings name one (none in CI).
 MIRROR = Path(settings.megatron_lm() or "/nonexistent")

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from moe_release import settings
+from moe_release.commands.apply import run_apply
+from moe_release.commands.sweep import BORROWED, sweep
 from moe_release.series import applying, probes
 from moe_release.series.applying import CONFLICT, Records, merge_right, merge_series
 from moe_release.series.merge import series_states
@@ -21,8 +23,6 @@ from moe_release.series.pins import load_pins
 from moe_release.series.repo import read_series
 from moe_release.series.source import CHECKOUT_ENV, read_base_files
 from moe_release.series.topics import load_topics
-from moe_release.series.verbs.apply import run_apply
-from moe_release.series.verbs.sweep import BORROWED, sweep
 
 PINS = load_pins()
 SDIST_BASES = [name for name, b in PINS.bases.items() if not b.is_commit]

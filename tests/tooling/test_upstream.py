@@ -11,14 +11,8 @@ from pathlib import Path
 import pytest
 
 from moe_release import settings
-from moe_release.common import REPO_ROOT, UserError
-from moe_release.series.cli import main as cli_main
-from moe_release.series.patches import check_trailers, parse_patch, upstream_subject
-from moe_release.series.pins import load_pins
-from moe_release.series.repo import read_series
-from moe_release.series.topics import load_topics
-from moe_release.series.verbs.upstream import (
-    VARIANT_TARGETS,
+from moe_release.commands.cli import main as cli_main
+from moe_release.commands.upstream import (
     check_export,
     check_topic,
     export_subject,
@@ -28,14 +22,18 @@ from moe_release.series.verbs.upstream import (
     is_placeholder_email,
     prerequisite_exports,
     prerequisites,
-    target_base,
-    target_series,
     topic_series,
     topic_test_files,
     upstream_message,
     upstream_test_files,
     without_shims,
 )
+from moe_release.common import REPO_ROOT, UserError
+from moe_release.series.patches import check_trailers, parse_patch, upstream_subject
+from moe_release.series.pins import load_pins
+from moe_release.series.repo import read_series
+from moe_release.series.targets import VARIANT_TARGETS, target_base, target_series
+from moe_release.series.topics import load_topics
 
 IDENT = ("Ada Lovelace", "ada.lovelace@users.noreply.github.com")
 TOPICS = load_topics()

@@ -77,7 +77,8 @@ def test_exported_tests_carry_only_their_branchs_shims(tmp_path, target, shims):
     """The export writes the shared upstream-layout tests without the shims of older release
     branches (main's and dev's PRs name no release branch), and what it writes still passes
     black and isort."""
-    from moe_release.series.verbs.upstream import export_test_files, target_series, topic_series
+    from moe_release.commands.upstream import export_test_files, topic_series
+    from moe_release.series.targets import target_series
 
     series = topic_series(target_series(target), "memory")
     files = export_test_files("memory", series, target=target)

@@ -9,14 +9,15 @@ One package of layered rooms, lowest first; a room imports its own modules and l
   errors, progress;
 * :mod:`moe_release.settings`, :mod:`moe_release.backends` - the environment variables the
   tooling reads, and the flex dispatcher's backends, each written once;
-* :mod:`moe_release.series` - pins, patches, sdists, trees, the merge engine; its verbs
-  (:mod:`moe_release.series.verbs`) never import each other; :mod:`moe_release.series.cli` is
-  ``python scripts/moe_release.py``;
+* :mod:`moe_release.series` - pins, patches, sdists, trees, the merge engine;
 * :mod:`moe_release.runtime` - megatron-core's real MoE code on CPU ranks;
 * :mod:`moe_release.plan` - the planner's command, the only route to the planner;
 * :mod:`moe_release.report` - the side-by-side memory report;
 * :mod:`moe_release.upstream_tests` - upstream's own unit tests on the CPU runtime;
-* :mod:`moe_release.commands` - the fault matrix and the production-shape terms.
+* :mod:`moe_release.commands` - every command, one module each (the series' verbs, the
+  planner's, the report's, the fault matrix, ...), registered once in
+  :mod:`moe_release.commands.registry` and run by :func:`moe_release.commands.cli.main`
+  (``moe-release``, ``python scripts/moe_release.py``); no command imports another.
 
 The entry scripts under ``scripts/`` and the test configuration put ``tools/`` on the module
 search path; ``pip install -e tools`` installs the package with its commands instead.

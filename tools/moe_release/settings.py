@@ -47,7 +47,7 @@ What stays outside this module, on purpose (``tests/tooling/test_settings.py`` a
 
 * **Writing** a child's environment: copying ``os.environ`` into a rank's or a subprocess's
   environment (``dict(os.environ)``, the ``GIT_*``-free copies of ``moe_release.series.git``,
-  ``moe_release.series.source`` and ``moe_release.series.verbs.apply``), extending ``PATH`` /
+  ``moe_release.series.source`` and ``moe_release.commands.apply``), extending ``PATH`` /
   ``PYTHONPATH`` for a child, ``os.environ[...] = ...`` for what a spawned rank inherits, and the
   zygote replacing a child's environment wholesale. These set the environment, they do not read a
   setting.

@@ -1,3 +1,5 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
-"""Commands above every room: the fault matrix and the production-shape terms."""
+"""moe-release's commands, above every room: one module per command (its parser's arguments
+and its run), each registered once in :mod:`.registry`; :mod:`.cli` is the entry point. No
+command imports another (tests/tooling/test_import_layers.py)."""

@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from moe_release.commands.registry import Command, register
 from moe_release.common import REPO_ROOT
 
 FOLDER = Path(".build") / "device-kernels"
@@ -162,5 +163,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def run(args: argparse.Namespace) -> int:
+    """:func:`main` on the words after the command's name."""
+    return main(args.argv)
+
+
+register(
+    Command(
+        name="device-kernels",
+        help="prepare the folder a lent GPU needs to run the real HybridEP and DeepEP kernels",
+        run=run,
+        aliases=(),
+        own_parser=True,
+    )
+)

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from moe_release.commands.registry import Command, register
 from moe_release.common import REPO_ROOT
 from moe_release.runtime.megatron import fault_cells as fc
 from moe_release.runtime.megatron import fault_scenarios as fs
@@ -290,5 +291,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def run(args: argparse.Namespace) -> int:
+    """:func:`main` on the words after the command's name."""
+    return main(args.argv)
+
+
+register(
+    Command(
+        name="fault-matrix",
+        help="the fault matrix: every scenario x backend x tree on the CPU runtime",
+        run=run,
+        aliases=('fault_matrix',),
+        own_parser=True,
+    )
+)

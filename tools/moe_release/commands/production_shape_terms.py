@@ -15,6 +15,8 @@ Hidden 2048, 256 experts, top-8, 105,153 tokens per rank, EP2, bf16, fp32 router
 import argparse
 import sys
 
+from moe_release.commands.registry import Command, register
+
 SEED = dict(ep=2, tokens=105153, hidden=2048, experts=256, topk=8, ffn=768, dtype="bfloat16")
 
 
@@ -76,5 +78,17 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def run(args: argparse.Namespace) -> int:
+    """:func:`main` on the words after the command's name."""
+    return main(args.argv)
+
+
+register(
+    Command(
+        name="production-shape-terms",
+        help="what stays alive after backward in the production-shape mode, term by term",
+        run=run,
+        aliases=('production_shape_terms',),
+        own_parser=True,
+    )
+)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+from pathlib import Path
 from typing import Callable, Optional
 
 from moe_release.series.merge import Files
@@ -509,3 +510,16 @@ def releases_line(files: Files) -> str:
         return "has none of the backends and paths the series releases"
     return (f"releases {', '.join(done) or 'nothing'}; leaves unreleased: "
             f"{'; '.join(left) or 'none'}")  # fmt: skip
+
+
+def installed_releases(core_dir: Path) -> str:
+    """What an installed megatron-core releases, of the backends and paths it has, and what it
+    leaves unreleased (:func:`releases_line` on its files)."""
+    top = core_dir.parent.parent
+    files = {}
+    for path in PATHS:
+        try:
+            files[path] = (top / path).read_bytes()
+        except OSError:
+            files[path] = None
+    return releases_line(files)

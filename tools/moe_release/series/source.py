@@ -18,6 +18,7 @@ From the verified source a tree takes what megatron-core's sdist holds: ``megatr
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import re
@@ -28,8 +29,8 @@ from pathlib import Path
 from typing import Optional
 
 from moe_release import settings
-from moe_release.common import UserError
-from moe_release.series.pins import Base
+from moe_release.common import UserError, log
+from moe_release.series.pins import Base, load_pins
 from moe_release.series.sdist import fetch_sdist, read_sdist
 
 CHECKOUT_ENV = settings.MEGATRON_LM
@@ -259,3 +260,45 @@ def _read_git(base: Base, source: Path) -> dict[str, bytes]:
         files[path] = data[pos : pos + size]
         pos += size + 1
     return files
+
+
+def add_base_options(parser: argparse.ArgumentParser) -> None:
+    """The options of every verb that reads a base: ``--base`` and ``--checkout`` (which the
+    command's ``main`` puts in ``$MOE_RELEASE_MEGATRON_LM``)."""
+    parser.add_argument("--base", help="base from patches/pins.toml (default: primary)")
+    parser.add_argument(
+        "--checkout",
+        dest="megatron_lm",
+        metavar="PATH",
+        help="Megatron-LM clone or `git archive` (tar or extracted) of a commit base "
+        f"(default: ${CHECKOUT_ENV})",
+    )
+
+
+BASES_ENV = settings.BASES
+
+
+def listed_bases() -> list[str]:
+    """What `trees --list` prints (and `run-tests` loops over): the primary base first, then
+    every base with a series whose files can be read here, in pins.toml order; a base pinned
+    with ``ci = false`` only when ``$MOE_RELEASE_BASES`` asks for it. ``$MOE_RELEASE_BASES``
+    (names, space- or comma-separated, or ``all``) replaces the default selection."""
+    pins = load_pins()
+    chosen = settings.bases()
+    for name in chosen:
+        if name != "all":
+            pins.get(name)  # an unknown name is an error, not an empty loop
+    out = [pins.primary]
+    for name, base in pins.bases.items():
+        if name == pins.primary or not (base.series_dir() / "series").exists():
+            continue
+        if chosen and "all" not in chosen and name not in chosen:
+            continue
+        if not chosen and not base.ci:
+            log(f"skipping {name}: ci = false in patches/pins.toml ({BASES_ENV}={name} runs it)")
+            continue
+        if not available(base):
+            log(f"skipping {name}: {not_configured(base)}")
+            continue
+        out.append(name)
+    return out

@@ -25,6 +25,7 @@ how many failed there.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Optional
 
 from moe_release.backends import NAMES, ONLY_SOME_TREES, available
+from moe_release.commands.registry import Command, register
 from moe_release.common import REPO_ROOT, UserError
 from moe_release.series.patches import overlay_label
 from moe_release.series.pins import Base, load_pins
@@ -314,3 +316,60 @@ def update_file(path: Path, text: str) -> bool:
     tmp.write_text(new)
     os.replace(tmp, path)
     return True
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Print, update a file, or record a run."""
+    parser.add_argument(
+        "--update", metavar="FILE", help="rewrite the table between the markers in FILE"
+    )
+    parser.add_argument("--record", metavar="BASE", help="record a run of BASE's tests (run-tests)")
+    parser.add_argument("--junit", metavar="XML", help="with --record: the run's JUnit XML")
+    parser.add_argument("--seconds", type=int, default=0, help="with --record: the run's wall time")
+    parser.add_argument("--status", type=int, default=0, help="with --record: pytest's exit status")
+    parser.add_argument("--source", help="with --record checkout-<commit12>: the checkout in words")
+    parser.add_argument("--tree", help="with --record checkout-<commit12>: its patched tree")
+    parser.add_argument("--unpatched-junit", metavar="XML",
+                        help="with --record checkout-<commit12>: the run on the commit without "
+                        "the series")  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    """The table, or a run recorded (exit status 1: a retention test passed unpatched)."""
+    if args.record:
+        if not args.junit:
+            raise UserError("--record NAME needs --junit XML (pytest's --junitxml output)")
+        checkout = None
+        if args.source or args.tree or args.unpatched_junit:
+            if not (args.source and args.tree and args.unpatched_junit):
+                raise UserError("a checkout's run needs --source, --tree and --unpatched-junit")
+            checkout = (args.source, Path(args.tree), Path(args.unpatched_junit))
+        path = record_run(args.record, Path(args.junit), args.seconds, args.status,
+                          checkout=checkout)  # fmt: skip
+        print(path)
+        if checkout is not None:
+            record = json.loads(path.read_text())
+            for line in compare_lines(record):
+                print(line)
+            return 1 if retention_passed_unpatched(record) else 0
+        return 0
+    text = table()
+    if args.update:
+        changed = update_file(Path(args.update), text)
+        print(f"{args.update}: {'updated' if changed else 'unchanged'}")
+    else:
+        print(text, end="")
+    return 0
+
+
+register(
+    Command(
+        name="matrix",
+        help="print the compatibility matrix (base x dispatcher x release tests, last run)",
+        description="print the compatibility matrix as a markdown table: per pinned base with a "
+        "series, per dispatcher, the release tests that ran and passed at the last run recorded "
+        "by scripts/run-tests under .build/test-runs",
+        configure=configure,
+        run=run,
+    )
+)

@@ -14,6 +14,7 @@ Megatron-LM checkout with ``git am`` and byte-compiles every file it touched.
 
 from __future__ import annotations
 
+import argparse
 import py_compile
 import re
 import shlex
@@ -23,23 +24,21 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
+from moe_release.commands.registry import Command, register
 from moe_release.common import REPO_ROOT, UserError
 from moe_release.series.git import create_edit_repo, format_patches
 from moe_release.series.patches import Patch, name_of, parse_patch, upstream_subject
-from moe_release.series.pins import Base, load_pins
-from moe_release.series.repo import read_series, read_series_dir
+from moe_release.series.pins import Base
 from moe_release.series.source import available, not_configured, read_base_files
+from moe_release.series.targets import (
+    BACKPORT_TARGETS,
+    PRIMARY_TARGETS,
+    target_base,
+    target_series,
+)
 from moe_release.series.topics import CPU_IMPORT, MEMORY, TOPICS_FILE, Topics, load_topics
 from moe_release.series.trees import check_target_dir, os_error
 
-# Targets whose code the primary series (over the 0.19.2 sdist) applies to as it is.
-PRIMARY_TARGETS = ("core_r0.19.0",)
-# Targets whose code moved: a variant of the whole series, written for that ref, lives in
-# patches/upstream/<target>/ (series + mboxes, subjects as in the primary series).
-VARIANT_TARGETS = ("main", "dev")
-VARIANTS_DIR = REPO_ROOT / "patches" / "upstream"
-# Release branches: the backport series of the pinned base whose `branch` this is.
-BACKPORT_TARGETS = ("core_r0.18.0", "core_r0.17.0", "core_r0.16.0")
 OVERLAY_TRAILERS = ("Forwarded", "Applied-Upstream", "Origin", "Patch-Name", "Signed-off-by")
 # Upstream takes one PR per code-owner area and topic: the dispatcher-state release
 # (token_dispatcher.py), the A2A-overlap state (the 1F1B schedule plan and its nodes), HybridEP's
@@ -201,49 +200,6 @@ def prerequisites(
     return [dep for dep in topics.closure(topic) if topic_series(whole, dep, root)]
 
 
-def target_series(target: str, root: Path = REPO_ROOT) -> list[tuple[str, bytes]]:
-    """The series that applies to upstream ``target``: the primary series, the target's variant
-    (patches/upstream/<target>/) or the backport series of the base pinned to that branch."""
-    pins = load_pins(root / "patches" / "pins.toml")
-    if target in PRIMARY_TARGETS:
-        return read_series(pins.get(None), root)
-    if target in VARIANT_TARGETS:
-        vdir = root / "patches" / "upstream" / target
-        if not (vdir / "series").exists():
-            raise UserError(f"upstream {target}: no variant series ({vdir / 'series'})")
-        return read_series_dir(vdir)
-    if target in BACKPORT_TARGETS:
-        # The branch's own series (patches/backports/<branch>), not an exact release's copy.
-        base = next(
-            (
-                b
-                for b in pins.bases.values()
-                if b.branch == target and Path(b.series).name == target
-            ),
-            None,
-        )
-        if base is None:
-            raise UserError(f"upstream {target}: no base in patches/pins.toml has that branch")
-        if not (base.series_dir(root) / "series").exists():
-            raise UserError(f"upstream {target}: no backport series yet ({base.series})")
-        return read_series(base, root)
-    known = ", ".join(PRIMARY_TARGETS + VARIANT_TARGETS + BACKPORT_TARGETS)
-    raise UserError(f"unknown target {target!r} (one of {known})")
-
-
-def target_base(target: str, root: Path = REPO_ROOT) -> Base:
-    """The pinned base whose series :func:`target_series` reads for ``target``."""
-    pins = load_pins(root / "patches" / "pins.toml")
-    if target in PRIMARY_TARGETS:
-        return pins.get(None)
-    want = f"patches/upstream/{target}" if target in VARIANT_TARGETS else None
-    for b in pins.bases.values():
-        if (want and b.series == want) or (not want and b.branch == target
-                                           and Path(b.series).name == target):  # fmt: skip
-            return b
-    raise UserError(f"upstream {target}: no base in patches/pins.toml carries its series")
-
-
 def rebase_alone(
     series: list[tuple[str, bytes]],
     base: Base,
@@ -378,7 +334,7 @@ def without_shims(files: dict[str, bytes], target: str) -> dict[str, bytes]:
             if shim not in text:
                 raise UserError(
                     f"{path}: the release-branch shim for {', '.join(branches)} is gone "
-                    f"(series/verbs/upstream.py TEST_SHIMS: {shim.strip().splitlines()[0]!r})"
+                    f"(commands/upstream.py TEST_SHIMS: {shim.strip().splitlines()[0]!r})"
                 )
             out[path] = text.replace(shim, replacement, 1).encode()
     return out
@@ -717,3 +673,63 @@ def check_export(
         if failed:
             raise UserError(f"byte-compile failed after git am: {failed[0]}")
         return [*lines, f"{len(touched)} files touched, all Python ones byte-compile"]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """The target, the output directory, the checkout to check it on and the topic."""
+    parser.add_argument("target", metavar="TARGET", help="upstream ref the export is for")
+    parser.add_argument("outdir", metavar="OUTDIR", help="target directory (absent or empty)")
+    parser.add_argument(
+        "--check", metavar="CHECKOUT", help="git am the export (prerequisites first) onto a clone"
+    )
+    parser.add_argument("--ref", help="ref of CHECKOUT to apply to (default: TARGET)")
+    parser.add_argument("--topic", default="memory",
+                        help="which PR (patches/topics.toml): dispatcher-state, a2a-overlap, "
+                        "hybridep-groups, comm-buffers (which builds on dispatcher-state and "
+                        "hybridep-groups: their exports go to OUTDIR/prerequisites/), cpu-import, "
+                        "or memory (the first four as one series, the default)")  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write the export (and its prerequisites), and check it on a clone if asked."""
+    target_series(args.target)  # bad arguments first, before anything is written
+    check_topic(args.topic, exported=True)
+    outdir = check_target_dir(Path(args.outdir))
+    if args.check:
+        check_checkout_dir(Path(args.check))
+    ident = identity()
+    notes: list = []
+    paths = export_upstream(args.target, outdir, ident, args.topic, notes=notes)
+    print(f"wrote {len(paths)} {args.topic} patches for {args.target} to {outdir}, "
+          f"signed off by {ident[0]} <{ident[1]}>")  # fmt: skip
+    first = prerequisite_exports(outdir)
+    if first:
+        print(f"the {args.topic} PR builds on {len(first)} PRs, which must merge first; their "
+              f"exports (as `upstream {args.target} DIR --topic T` writes them) are in "
+              f"{outdir / PREREQUISITES_DIR}, in merge order:")  # fmt: skip
+        for k, (dep, dep_paths) in enumerate(first, 1):
+            print(f"  {k}. {dep}: {len(dep_paths)} patches in "
+                  f"{outdir / PREREQUISITES_DIR / f'{k}-{dep}'}")  # fmt: skip
+    for note in notes:
+        print(f"note: {note}")
+    if paths:
+        what = ", prerequisites first" if first else ""
+        print(f"to apply to {args.target}{what}: {apply_command(outdir)}")
+    if args.check:
+        lines = check_export(paths, Path(args.check), args.ref or args.target, ident, first)
+        for line in lines:
+            print(f"check: {line}")
+    return 0
+
+
+register(
+    Command(
+        name="upstream",
+        help="export the series for NVIDIA/Megatron-LM: git am-able, DCO-signed, upstream style",
+        description="write the series for TARGET (core_r0.19.0: the primary series; main, dev: "
+        "their variants in patches/upstream/; core_r0.18.0, core_r0.17.0, core_r0.16.0: the "
+        "backport series) as 0001-... mboxes into OUTDIR",
+        configure=configure,
+        run=run,
+    )
+)

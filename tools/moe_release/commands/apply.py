@@ -36,6 +36,7 @@ written whose ``index`` lines name REF's blobs, so ``git am -3`` can fall back t
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import re
@@ -44,6 +45,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
+from moe_release import settings
+from moe_release.commands.registry import Command, register
 from moe_release.common import REPO_ROOT, UserError, log
 from moe_release.series.applying import (
     APPLIED,
@@ -936,3 +939,101 @@ def run_apply(
         done.append(f"pip install of it builds megatron-core {result.version} (its last "
                     "commit labels the build; --no-label leaves it out)")  # fmt: skip
     return co, result, done
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """The checkout and ref, the series, where to write, and the resolving workflow."""
+    parser.add_argument("checkout", metavar="CHECKOUT", help="a Megatron-LM git checkout (clean)")
+    parser.add_argument("--ref", help="the commit to apply to (default: HEAD)")
+    parser.add_argument("--dry-run", action="store_true", help="report only, write nothing")
+    parser.add_argument("--series", metavar="PIN",
+                        help="take this pinned base's series (e.g. main-d98e8a6, 0.18.0) instead "
+                        "of the nearest")  # fmt: skip
+    parser.add_argument(
+        "--out", metavar="DIR", help="write git am-able files here instead of a branch"
+    )
+    parser.add_argument("--branch", metavar="NAME",
+                        help="the new branch (default: moe-release/<commit12>)")  # fmt: skip
+    parser.add_argument("--no-label", action="store_true",
+                        help="leave out the last commit, which makes pip install of the checkout "
+                        "build <version>+moerelease.N.HASH (stamps package_info.py, adds the new "
+                        "modules and the manifest verify reads)")  # fmt: skip
+    parser.add_argument(
+        "--record",
+        metavar="RESOLVED",
+        help="store what a person did: RESOLVED is a commit of CHECKOUT on REF with one "
+        "commit per patch to apply there, in order; per patch its difference from the 3-way "
+        "merge is stored in <series>/apply/<commit12>/ (nothing else is written)",
+    )
+    parser.add_argument(
+        "--resolve",
+        metavar="DIR",
+        help="a work tree DIR (added on branch moe-release/<commit12>-resolve) where a person "
+        "resolves the conflicts: the patches are committed in turn up to the first conflict, "
+        "whose 3-way merge (conflict markers included) is left in DIR; commit the resolution "
+        "and run the same command again. A finished branch gets the label commit (not with "
+        "--no-label), so pip install and verify know it; --record it to store the resolutions "
+        "for others (exit 1 while a conflict or a failed probe is left)",
+    )
+    parser.add_argument(
+        "--mirror",
+        metavar="CHECKOUT",
+        default=settings.megatron_lm(),
+        help="a Megatron-LM git mirror whose history and bases' files count too, for a "
+        "CHECKOUT that has not fetched the stored bases (default: $MOE_RELEASE_MEGATRON_LM)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Apply, record or resolve; exit status 1 on a conflict."""
+    mirror = Path(args.mirror) if args.mirror else None
+    if args.record:
+        if args.dry_run or args.out or args.branch:
+            raise UserError("--record writes resolutions only: no --dry-run, --out or --branch")
+        for line in run_record(Path(args.checkout), args.ref, args.record, mirror,
+                               series_name=args.series):  # fmt: skip
+            print(line)
+        return 0
+    if args.resolve:
+        if args.dry_run or args.out or args.branch:
+            raise UserError("--resolve makes its own branch: no --dry-run, --out or --branch")
+        done_all, lines = run_resolve(Path(args.checkout), args.ref, Path(args.resolve), mirror,
+                                      series_name=args.series,
+                                      label=not args.no_label)  # fmt: skip
+        for line in lines:
+            print(line)
+        return 0 if done_all else 1
+    co, result, done = run_apply(
+        Path(args.checkout), args.ref, args.dry_run,
+        Path(args.out) if args.out else None, args.branch,
+        mirror, series_name=args.series, label=not args.no_label,
+    )  # fmt: skip
+    for line in report_lines(co, result):
+        print(line)
+    if not result.ok:
+        ref = f" --ref {result.ref[:12]}"
+        print(f"CONFLICT: nothing written; the checkout is as it was. To resolve it by hand: "
+              f"`moe_release.py apply {args.checkout}{ref} --resolve DIR` (a work tree for you, "
+              "then --record stores what you did), or apply at another --ref")  # fmt: skip
+        return 1
+    for line in done:
+        print(line)
+    return 0
+
+
+register(
+    Command(
+        name="apply",
+        help="carry the nearest series onto a Megatron-LM git checkout at any commit (3-way)",
+        description="find the stored series nearest to REF (REF on main, dev or a release "
+        "branch; of the stored bases, the one whose files the series change differ least from "
+        "REF's, then the fewest commits apart), merge each of its patches onto REF (3-way, "
+        "replaying resolutions stored in <series>/apply/<commit12>/) and commit each on a new "
+        "branch, or write git am -3-able files to --out. Reports per patch: applied, landed, "
+        "not applicable (with the evidence) or conflict (file, hunk, both sides). Exit status "
+        "1 on a conflict (nothing is written), 2 on bad input; HEAD, the index and the work "
+        "tree are never touched.",
+        configure=configure,
+        run=run,
+    )
+)

@@ -17,13 +17,16 @@ a local Megatron-LM checkout or mirror and needs no network.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
+import os
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from moe_release.common import REPO_ROOT, UserError
+from moe_release.commands.registry import Command, register
+from moe_release.common import REPO_ROOT, UserError, log
 from moe_release.series.applying import (
     APPLIED,
     CONFLICT,
@@ -40,7 +43,7 @@ from moe_release.series.applying import (
 from moe_release.series.checkout import APPLY_DIR
 from moe_release.series.imports import isort_style
 from moe_release.series.merge import Files, Resolution, parse_diff, series_states
-from moe_release.series.nearest import SERIES_START, Checkout, anchors, renames
+from moe_release.series.nearest import SERIES_START, Checkout, anchors, open_checkout, renames
 from moe_release.series.patches import parse_patch, patch_stem
 from moe_release.series.pins import Base
 from moe_release.series.probes import PATHS as PROBE_PATHS
@@ -339,3 +342,64 @@ def markdown(rows: list[Row], facts: dict, command: str) -> str:
             text.append(f"| {r.date} | `{r.commit[:12]}` | {series} | `{r.codes}` | "
                         f"{r.conflict.replace('|', '/')} |")  # fmt: skip
     return "\n".join(text) + "\n"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """The checkout, the dates, the lines, the mirror and what to write."""
+    parser.add_argument("checkout", metavar="CHECKOUT", help="a Megatron-LM clone or mirror")
+    parser.add_argument("--since", default=str(SERIES_START),
+                        help="first date (default %(default)s)")  # fmt: skip
+    parser.add_argument("--until", help="last date (default: the line's head)")
+    parser.add_argument("--line", action="append", choices=LINES,
+                        help="main or dev (repeatable; default both)")  # fmt: skip
+    parser.add_argument("--every", type=int, default=1,
+                        help="keep every Nth commit (default 1)")  # fmt: skip
+    parser.add_argument("--mirror", metavar="CHECKOUT",
+                        help="a Megatron-LM mirror to read the stored bases from")  # fmt: skip
+    parser.add_argument("--write", metavar="FILE",
+                        help="write the table of every commit (markdown)")  # fmt: skip
+    parser.add_argument("--quiet", action="store_true", help="print the summary only")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Sweep and summarize; exit status 1 if a commit does not take the whole series."""
+    co = open_checkout(Path(args.checkout))
+    lines = tuple(args.line or LINES)
+    rows, facts = sweep(co, lines, args.since, args.until, args.every,
+                        Path(args.mirror) if args.mirror else None,
+                        progress=lambda m: log(m))  # fmt: skip
+    if not args.quiet:
+        for r in rows:
+            print(f"{r.line:4} {r.date} {r.commit[:12]} {r.series:14} {r.codes}"
+                  + (f"  {r.conflict}" if r.conflict else ""))  # fmt: skip
+    for line in summary_lines(rows, facts):
+        print(line)
+    if args.write:
+        command = "moe_release.py sweep CHECKOUT " + " ".join(
+            f"--{k} {v}" for k, v in (("since", args.since), ("until", args.until),
+                                      ("every", args.every)) if v not in (None, 1))  # fmt: skip
+        out = Path(args.write)
+        tmp = out.with_name(f".{out.name}.tmp")
+        try:
+            tmp.write_text(markdown(rows, facts, command.strip()))
+            os.replace(tmp, out)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise UserError(f"--write {out}: {exc.strerror or exc}") from None
+        print(f"written: {args.write}")
+    return 0 if all(r.whole for r in rows) else 1
+
+
+register(
+    Command(
+        name="sweep",
+        help="apply --dry-run on every first-parent commit of main and dev since a date",
+        description="Choose and merge the series as apply --dry-run does on every first-parent "
+        "commit of main and dev since --since (every Nth with --every), with no work tree: per "
+        "commit the series and each patch's verdict, then per line how many take the whole "
+        "series with no person and the conflicts grouped by hunk. Exit status 1 if a commit "
+        "conflicts, 2 on bad input.",
+        configure=configure,
+        run=run,
+    )
+)

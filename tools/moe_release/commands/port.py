@@ -27,6 +27,7 @@ stores, per patch, the difference between the mechanical merge and it.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import re
@@ -35,6 +36,8 @@ import textwrap
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from moe_release import settings
+from moe_release.commands.registry import Command, register
 from moe_release.common import REPO_ROOT, UserError, log
 from moe_release.series.git import GIT_AM_FLAGS, format_patches, git, git_env
 from moe_release.series.hunkstate import files_state
@@ -536,3 +539,74 @@ def port_all(
         result = port_target(target, only=only, record=record, root=root, primary=primary)
         out.append((result, write_port(result) if result.ok and write else None))
     return out
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """The targets, one patch, the mirror, record or dry run."""
+    parser.add_argument(
+        "--target",
+        action="append",
+        metavar="TARGET",
+        help="a target (repeatable): a backport branch or base version, main, dev",
+    )
+    parser.add_argument(
+        "--all", action="store_true", help="every target (main and dev need --mirror)"
+    )
+    parser.add_argument("--patch", metavar="NAME", help="port only this primary patch (file name)")
+    parser.add_argument(
+        "--mirror",
+        metavar="CHECKOUT",
+        default=settings.megatron_lm(),
+        help="a Megatron-LM clone or mirror holding the main/dev variants' commits "
+        "(default: $MOE_RELEASE_MEGATRON_LM)",
+    )
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help="take each target's series as it is now as resolved: store, per patch, "
+        "its difference from the 3-way merge in the target's resolutions/",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="report only, write nothing")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Port and report per target; exit status 1 if a target conflicts."""
+    if args.all == bool(args.target):
+        raise UserError("name the targets: --target TARGET (repeatable) or --all")
+    names = all_target_names() if args.all else args.target
+    mirror = Path(args.mirror) if args.mirror else None
+    results = port_all(names, mirror, args.patch, args.record, write=not args.dry_run)
+    failed = False
+    for result, written in results:
+        for line in report_lines(result):
+            print(line)
+        if not result.ok:
+            failed = True
+            print("  CONFLICT: nothing written for this target; resolve it in the target's series "
+                  "(edit --base / export), then record it: port --record --target "
+                  f"{result.target.name} --patch NAME")  # fmt: skip
+        elif written is None:
+            print("  (dry run: nothing written)")
+        elif not written[0] and not written[1]:
+            print("  unchanged")
+        else:
+            for name in written[0]:
+                print(f"  written: {name}")
+            for name in written[1]:
+                print(f"  deleted: {name}")
+    return 1 if failed else 0
+
+
+register(
+    Command(
+        name="port",
+        help="carry the primary series onto the backport and upstream variant series (3-way)",
+        description="merge each primary patch (or only --patch NAME) onto each target's series "
+        "(backports: core_r0.18.0, core_r0.17.0, core_r0.16.0; upstream variants: main, dev), "
+        "replaying the resolutions stored in the target's resolutions/, and write the ported "
+        "series; reports per target and patch: applied, landed, not carried or conflict "
+        "(file, hunk, both sides). Exit status 1 if a target conflicts (it is not written).",
+        configure=configure,
+        run=run,
+    )
+)
