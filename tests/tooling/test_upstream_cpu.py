@@ -5,12 +5,12 @@ Megatron-LM checkout. So :mod:`moe_release.upstream_tests.per_patch` builds scra
 trees of the sdist with a prefix of the series applied (their ``megatron/``), our upstream-layout
 test files from ``patches/upstream/tests`` and :mod:`moe_release.upstream_tests.standin_utils`
 (upstream's ``Utils``, only what those tests use, with upstream's behaviour), and runs each patch's
-tests (``patches/topics.toml``, ``[patch.<name>.tests]``) through ``run.py`` on 8 gloo ranks, as upstream's CI
-runs them on 8 GPUs, on the tree without the patch (they must fail, for the manifest's reason) and
-with it (they must pass). The default run does that for one patch; the ``slow`` cases for every
-patch, and for every test on the unpatched base against the whole series. A small upstream-style
-file (``upstream_standin/standin_placement_wiring.py``) checks that the plugin runs tests under the
-CPU runtime's placement rules (and without them, ``--no-placement``), and what
+tests (``[patch.<name>.tests]`` in ``patches/topics.toml``) through ``run.py`` on 8 gloo ranks, as
+upstream's CI runs them on 8 GPUs, on the tree without the patch (they must fail, for the manifest's
+reason) and with it (they must pass). The default run does that for one patch; the ``slow`` cases
+for every patch, and for every test on the unpatched base against the whole series. A small
+upstream-style file (``upstream_standin/standin_placement_wiring.py``) checks that the plugin runs
+tests under the CPU runtime's placement rules (and without them, ``--no-placement``), and what
 ``--te-local-spec``/``--fp32-gemm`` give a test. Upstream's own test files and ``Utils`` need a
 Megatron-LM checkout: the ``slow`` snapshot case runs them when the read-only mirror exists (never
 on CI), on core_r0.19.0 with and without the series.
