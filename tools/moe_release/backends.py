@@ -71,11 +71,11 @@ REGISTRY: tuple[Backend, ...] = (
         megatron="deepepv2",
         label="DeepEP v2",
         aliases=("deepep_v2", "deep_ep_v2"),
-        emulation="moe_release.runtime.kernels.deepep_v2_emulation",
+        emulation="moe_release.runtime.kernels.deepepv2_emulation",
         planner="deepepv2",
         since="dev",
         bf16_payloads=True,
-        hidden_multiple=256,  # its combine kernel's static assert (deepep_v2_emulation)
+        hidden_multiple=256,  # its combine kernel's static assert (deepepv2_emulation)
         module_global="_elastic_buffer",
     ),
     Backend(
@@ -83,7 +83,7 @@ REGISTRY: tuple[Backend, ...] = (
         megatron="ncclep",
         label="NCCL EP",
         aliases=("nccl_ep", "te_ep"),
-        emulation="moe_release.runtime.kernels.te_ep_emulation",
+        emulation="moe_release.runtime.kernels.ncclep_emulation",
         planner="ncclep",
         since="0.19",
         bf16_payloads=True,

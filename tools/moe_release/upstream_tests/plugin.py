@@ -47,7 +47,7 @@ changed:
   ``/opt/data``; the plugin gives it a stand-in downloader that fetches nothing (the MoE tests
   use no data sets).
 * ``UPSTREAM_CPU_DEEP_EP=emulation`` registers moe-release's CPU emulation of the ``deep_ep``
-  kernels (HybridEP and DeepEP, :mod:`moe_release.runtime.kernels.deep_ep_module`), so the
+  kernels (HybridEP and DeepEP, :mod:`moe_release.runtime.kernels.deepep_module`), so the
   flex-dispatcher tests run too; off by default, because upstream's checkout does not contain it.
 * ``UPSTREAM_CPU_TE=local`` (``run.py --te-local-spec``) runs the tests that need Transformer
   Engine only for its modules on megatron-core's local ones: to the checkout's tests (only to

@@ -515,7 +515,7 @@ def staged_kernel_checks(emu, verdicts: Verdicts) -> None:
 
 
 def _emulation():
-    return sys.modules["moe_release.runtime.kernels.deep_ep_module"]
+    return sys.modules["moe_release.runtime.kernels.deepep_module"]
 
 
 def emulation_and_layer_job(tree_kind: str = "patched") -> Verdicts:

@@ -176,8 +176,8 @@ def rank_device_barriers():
 
     import torch.distributed as dist
 
-    from moe_release.runtime.kernels import deep_ep_module as emu
-    from moe_release.runtime.kernels import deepep_v2_emulation as v2
+    from moe_release.runtime.kernels import deepep_module as emu
+    from moe_release.runtime.kernels import deepepv2_emulation as v2
     from moe_release.runtime.kernels import hybridep_emulation as hep
     from moe_release.runtime.measure import cpu_memory
 

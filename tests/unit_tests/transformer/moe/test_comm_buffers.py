@@ -209,7 +209,7 @@ def rank_growth(backend: str):
         fused_a2a.init_hybrid_ep_buffer(group, size, TOKENS, 2, **defaults)
         return fused_a2a.get_hybrid_ep_buffer(group)
 
-    from moe_release.runtime.kernels import deep_ep_module as emu
+    from moe_release.runtime.kernels import deepep_module as emu
 
     warnings = _Warnings()
     gc.collect()
@@ -739,7 +739,7 @@ def rank_deep_ep_explicit_destroy():
     emulation's own contract: destroy() needs the flag, and a flagged buffer dropped without
     destroy() stays allocated, as deep_ep leaks it."""
     from megatron.core.transformer.moe import fused_a2a
-    from moe_release.runtime.kernels import deep_ep_module as emu
+    from moe_release.runtime.kernels import deepep_module as emu
     from moe_release.runtime.megatron.moe_harness import init_megatron
 
     mem = _counter()

@@ -97,7 +97,7 @@ def rank_kernels() -> Dict[str, object]:
 
     _nodes(PER_NODE)
     moe_harness.init_megatron(ep=WORLD)
-    emu = sys.modules["moe_release.runtime.kernels.deep_ep_module"]
+    emu = sys.modules["moe_release.runtime.kernels.deepep_module"]
     verdicts: Dict[str, object] = {}
     factories = FactoryPlacement([deepep_emulation.__file__, emulation_common.__file__])
     with factories:

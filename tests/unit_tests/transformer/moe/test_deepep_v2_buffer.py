@@ -39,7 +39,7 @@ def _layer(ep: int):
 
 def _live_v2_bytes() -> int:
     """Bytes the emulated DeepEP v2 buffers of this process still hold (window and host)."""
-    from moe_release.runtime.kernels import deepep_v2_emulation as v2
+    from moe_release.runtime.kernels import deepepv2_emulation as v2
 
     return sum(
         r.window.nbytes + r.host_workspace.nbytes for r in list(v2._RUNTIMES) if not r.destroyed

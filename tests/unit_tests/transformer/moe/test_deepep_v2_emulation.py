@@ -2,7 +2,7 @@
 
 """The DeepEP v2 ``ElasticBuffer`` emulation against DeepEP's source at 018f21e.
 
-Every row of :mod:`moe_release.runtime.kernels.deepep_v2_emulation`'s output tables is one test (a
+Every row of :mod:`moe_release.runtime.kernels.deepepv2_emulation`'s output tables is one test (a
 job on two gloo ranks under the placement rules runs each call in every mode megatron dev uses and
 describes each output); the semantics are checked against a reference written from DeepEP's
 documented contract (``refs.py``: rows by source rank then token, local top-k indices, the
@@ -15,7 +15,7 @@ from typing import Dict, List
 
 import pytest
 
-from moe_release.runtime.kernels import deepep_v2_emulation as V2
+from moe_release.runtime.kernels import deepepv2_emulation as V2
 from tests.unit_tests.transformer.moe.test_deep_ep_emulation_outputs import _shape, parse_tables
 
 THIS = "tests.unit_tests.transformer.moe.test_deepep_v2_emulation"

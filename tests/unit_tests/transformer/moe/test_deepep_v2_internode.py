@@ -110,7 +110,7 @@ def rank_missing_peer(release: bool):
 
     import torch.distributed as dist
 
-    from moe_release.runtime.kernels import deepep_v2_emulation as v2
+    from moe_release.runtime.kernels import deepepv2_emulation as v2
 
     rank, res = dist.get_rank(), {}
     buf = v2.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=8, hidden=HIDDEN, num_topk=2,

@@ -247,8 +247,8 @@ def test_planner_and_emulations_size_the_new_backends_alike(
     """The planner's DeepEP v2 and NCCL EP terms and the CPU runtime's emulations were each
     written from the kernels' source, separately: they agree (each emulation's sizes are also
     worked by hand in test_deepep_v2_emulation and test_te_ep_emulation)."""
-    from moe_release.runtime.kernels import deepep_v2_emulation as v2
-    from moe_release.runtime.kernels import te_ep_emulation as te
+    from moe_release.runtime.kernels import deepepv2_emulation as v2
+    from moe_release.runtime.kernels import ncclep_emulation as te
 
     data = v2.buffer_size_hint(ranks, tokens, hidden, topk)
     terms = _names(planner.deepep_v2_buffer_terms(ranks, tokens, hidden, topk))
@@ -460,7 +460,7 @@ def test_emulation_allocates_its_terms_and_regrows(monkeypatch):
     (freed, then allocated) when a call needs more, equal to the planner's for local rank 0
     (the emulated buffer's rank); DeepEP's hints for the group."""
     from moe_release.report.buffer_section import compare_terms
-    from moe_release.runtime.kernels import deep_ep_module as emu
+    from moe_release.runtime.kernels import deepep_module as emu
 
     buf = emu.HybridEPBuffer(None, 64, 100, 4)
     lay = planner.HybridEPLayout(hidden=64, local_experts=4, ranks_per_node=1, nodes=1, rows=512,

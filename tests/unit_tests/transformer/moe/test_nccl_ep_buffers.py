@@ -9,7 +9,7 @@ re-initialized model never finds the old group's symmetric buffers; a model on a
 a clear error instead of dispatching over the bootstrapped group's communicator (TransformerEngine
 serves one EP group per process); a release refuses while a captured graph may replay.
 Megatron-core's real MoEFlexTokenDispatcher / MoELayer on CPU gloo ranks with the NCCL EP emulation
-(moe_release.runtime.kernels.te_ep_emulation), whose bootstrap allocates NCCL EP's group memory and
+(moe_release.runtime.kernels.ncclep_emulation), whose bootstrap allocates NCCL EP's group memory and
 whose symmetric buffers are checked in zero-copy mode; where the tree has NCCL EP. Zero-copy needs
 TE's fused grouped MLP (the op fuser), so a stand-in expert sits between dispatch and combine there,
 with the fused MLP's buffer contract.
@@ -148,7 +148,7 @@ def _held_bytes(zero_copy: bool) -> int:
     """What the release must free: NCCL EP's group memory and the zero-copy buffers."""
     from megatron.core.transformer.moe.token_dispatcher import _NCCLEPManager
 
-    from moe_release.runtime.kernels import te_ep_emulation as te
+    from moe_release.runtime.kernels import ncclep_emulation as te
 
     backend = te.BACKEND
     sizes = te.context_bytes(dist.get_world_size(backend.group), backend.num_experts,
@@ -167,7 +167,7 @@ def rank_release_between_steps(zero_copy: bool):
     from megatron.core.transformer.moe.token_dispatcher import _NCCLEPManager
 
     from megatron.core.transformer.moe import fused_a2a
-    from moe_release.runtime.kernels import te_ep_emulation as te
+    from moe_release.runtime.kernels import ncclep_emulation as te
     from moe_release.runtime.megatron.moe_harness import init_megatron
 
     mem = _counter()
@@ -212,7 +212,7 @@ def rank_reinitialize(zero_copy: bool):
     from megatron.core.transformer.moe.token_dispatcher import _NCCLEPManager
 
     from megatron.core import parallel_state
-    from moe_release.runtime.kernels import te_ep_emulation as te
+    from moe_release.runtime.kernels import ncclep_emulation as te
     from moe_release.runtime.megatron.moe_harness import init_megatron
 
     mem = _counter()
@@ -322,7 +322,7 @@ def rank_capture_guard():
     """Rank side: a dispatch under a (stand-in) capture; the release refuses, then frees with
     graphs_released=True."""
     from megatron.core.transformer.moe import fused_a2a
-    from moe_release.runtime.kernels import te_ep_emulation as te
+    from moe_release.runtime.kernels import ncclep_emulation as te
     from moe_release.runtime.megatron.moe_harness import init_megatron
     from tests.unit_tests.transformer.moe import moe_cpu_harness as harness
 
@@ -354,7 +354,7 @@ def rank_local_release_leaves_the_context():
     on nobody; then the collective one without and with graphs_released."""
     from megatron.core import parallel_state
     from megatron.core.transformer.moe import fused_a2a
-    from moe_release.runtime.kernels import te_ep_emulation as te
+    from moe_release.runtime.kernels import ncclep_emulation as te
     from moe_release.runtime.megatron.moe_harness import init_megatron
     from tests.unit_tests.transformer.moe import moe_cpu_harness as harness
 
@@ -395,7 +395,7 @@ def rank_two_groups_without_te_private_group():
     import sys
     import types
 
-    from moe_release.runtime.kernels import te_ep_emulation as te
+    from moe_release.runtime.kernels import ncclep_emulation as te
 
     module = te.installed()
     reads = []

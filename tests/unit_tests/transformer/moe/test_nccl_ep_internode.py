@@ -53,7 +53,7 @@ def rank_layer_across_teams():
     import torch.distributed as dist
 
     from megatron.core.transformer.moe import fused_a2a
-    from moe_release.runtime.kernels import te_ep_emulation as te
+    from moe_release.runtime.kernels import ncclep_emulation as te
     from moe_release.runtime.measure import cpu_memory, faults
     from moe_release.runtime.megatron.moe_harness import init_megatron
 
@@ -96,7 +96,7 @@ def rank_missing_peer():
     """Rank 3 never finalizes: the others' ep_finalize must raise within the bound."""
     import torch.distributed as dist
 
-    from moe_release.runtime.kernels import te_ep_emulation as te
+    from moe_release.runtime.kernels import ncclep_emulation as te
     from moe_release.runtime.megatron.moe_harness import init_megatron
 
     init_megatron(ep=WORLD)

@@ -81,7 +81,7 @@ def test_deepep_buffer_rows_are_the_planners_multi_node_terms(hidden, monkeypatc
 def test_deepep_v2_window_across_nodes_is_the_planners(ranks, per_node, tokens, hidden, topk):
     """DeepEP v2's hybrid layout: the data buffer the emulation sizes (calculate_buffer_size,
     buffer.hpp:529-629) is the planner's, across 2 domains of 2 and 8 of 8 ranks."""
-    from moe_release.runtime.kernels import deepep_v2_emulation as v2
+    from moe_release.runtime.kernels import deepepv2_emulation as v2
 
     planner = load_planner()
     emulated = v2.buffer_size_hint(ranks, tokens, hidden, topk,
@@ -100,7 +100,7 @@ def test_deepep_v2_window_across_nodes_is_the_planners(ranks, per_node, tokens, 
 def test_nccl_ep_gin_buffer_across_nodes_is_the_planners(ranks, per_node, experts, tokens, hidden):
     """NCCL EP's GIN buffer across LSA teams (nccl_ep.cc:1300-1358): the emulation's regions
     sum to the planner's; one team has none."""
-    from moe_release.runtime.kernels.te_ep_emulation import sizes
+    from moe_release.runtime.kernels.ncclep_emulation import sizes
 
     planner = load_planner()
     emulated = sum(n for _, n in sizes.gin_buffer_terms(ranks, per_node, experts, tokens, hidden))

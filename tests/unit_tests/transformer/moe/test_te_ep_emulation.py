@@ -4,7 +4,7 @@
 
 For each of the three TE APIs megatron calls (4329ff8 for dev, 622a3ee for 0.19.2, d0067d0 for
 main), a job on two gloo ranks under the placement rules runs the calls megatron makes and describes
-every output; each row of :mod:`moe_release.runtime.kernels.te_ep_emulation`'s table is one test.
+every output; each row of :mod:`moe_release.runtime.kernels.ncclep_emulation`'s table is one test.
 The semantics are checked against a reference written from TE's documented contract (``ep.h``:
 expert-major zones in source order, zero padding, the unweighted sum of a token's slots, the
 gradients of both), with small integers so that every bf16 sum is exact; what TE refuses is refused;
@@ -18,7 +18,7 @@ from typing import Dict, List
 
 import pytest
 
-from moe_release.runtime.kernels import te_ep_emulation as TE
+from moe_release.runtime.kernels import ncclep_emulation as TE
 from tests.unit_tests.transformer.moe.test_deep_ep_emulation_outputs import _shape, parse_tables
 
 THIS = "tests.unit_tests.transformer.moe.test_te_ep_emulation"

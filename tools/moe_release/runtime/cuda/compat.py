@@ -390,7 +390,7 @@ def teardown_megatron_state() -> None:
     references only: a job's end is no collective point, so the emulated DeepEP v2 buffers and
     NCCL EP context go as a process exit takes them, without a collective)."""
     kernels = "moe_release.runtime.kernels"
-    for name in (f"{kernels}.deepep_v2_emulation", f"{kernels}.te_ep_emulation"):
+    for name in (f"{kernels}.deepepv2_emulation", f"{kernels}.ncclep_emulation"):
         emulation = sys.modules.get(name)
         if emulation is not None:
             emulation.release_for_exit()

@@ -5,8 +5,8 @@
 The kernel families megatron-core's flex dispatcher calls are emulated one module each
 (:mod:`moe_release.runtime.kernels.hybridep_emulation`,
 :mod:`moe_release.runtime.kernels.deepep_emulation`,
-:mod:`moe_release.runtime.kernels.deepep_v2_emulation`,
-:mod:`moe_release.runtime.kernels.te_ep_emulation`); this module holds what they have in common:
+:mod:`moe_release.runtime.kernels.deepepv2_emulation`,
+:mod:`moe_release.runtime.kernels.ncclep_emulation`); this module holds what they have in common:
 DeepEP's event objects, where buffers and pinned outputs live, the host synchronizations a kernel
 makes (counted under the placement rules), and the collectives over ``torch.distributed`` (gloo
 works) that stand in for NVLink/RDMA transfers, staged through host memory where gloo cannot take a

@@ -177,7 +177,7 @@ class _Rank:
 
 def buffers_alive() -> Dict[str, int]:
     """The emulations' communication buffers and contexts still allocated, by kind."""
-    from moe_release.runtime.kernels import deepep_v2_emulation, te_ep_emulation
+    from moe_release.runtime.kernels import deepepv2_emulation, ncclep_emulation
     from moe_release.runtime.measure import faults
 
     out: Dict[str, int] = {}
@@ -187,10 +187,10 @@ def buffers_alive() -> Dict[str, int]:
             continue  # counted by runtime below: a replaced buffer's runtime may outlive it
         if getattr(b, "memory", None) is not None:
             out[kind] = out.get(kind, 0) + 1
-    runtimes = [r for r in list(deepep_v2_emulation._RUNTIMES) if not r.destroyed]
+    runtimes = [r for r in list(deepepv2_emulation._RUNTIMES) if not r.destroyed]
     if runtimes:
         out["ElasticBuffer"] = len(runtimes)
-    if te_ep_emulation.BACKEND.initialized:
+    if ncclep_emulation.BACKEND.initialized:
         out["NCCL EP context"] = 1
     return out
 
@@ -200,13 +200,13 @@ def kernel_leaked_bytes(all_leaks: bool = False) -> int:
     (4 B, ``deep_ep.cpp:299-304``) and NCCL EP's device communicator per bootstrap. With
     ``all_leaks`` also what buffers dropped without their ``destroy()`` leak (deep_ep keeps
     them: the caller's fault)."""
-    from moe_release.runtime.kernels import deepep_emulation, deepep_v2_emulation, te_ep_emulation
+    from moe_release.runtime.kernels import deepep_emulation, deepepv2_emulation, ncclep_emulation
 
-    te = sum(t.nbytes for t in te_ep_emulation.LEAKED)
+    te = sum(t.nbytes for t in ncclep_emulation.LEAKED)
     v1 = [t.nbytes for t in deepep_emulation.LEAKED_BUFFERS if t is not None]
     if not all_leaks:
         return te + sum(n for n in v1 if n == 4)
-    v2 = sum(t.nbytes for t in deepep_v2_emulation.LEAKED_BUFFERS if t is not None)
+    v2 = sum(t.nbytes for t in deepepv2_emulation.LEAKED_BUFFERS if t is not None)
     return te + sum(v1) + v2
 
 

@@ -156,9 +156,9 @@ import os
 import types
 from typing import Dict, Optional
 
-from moe_release.runtime.kernels.te_ep_emulation.api import build
-from moe_release.runtime.kernels.te_ep_emulation.backend import BACKEND, LEAKED, _Module
-from moe_release.runtime.kernels.te_ep_emulation.sizes import (
+from moe_release.runtime.kernels.ncclep_emulation.api import build
+from moe_release.runtime.kernels.ncclep_emulation.backend import BACKEND, LEAKED, _Module
+from moe_release.runtime.kernels.ncclep_emulation.sizes import (
     COUNTER_BLOCK_BYTES,
     DEVICE_SMS,
     HANDLE_CACHE,

@@ -15,7 +15,7 @@ from moe_release.runtime.kernels.emulation_common import (
     group_size,
     kernel_host_sync,
 )
-from moe_release.runtime.kernels.te_ep_emulation.backend import (
+from moe_release.runtime.kernels.ncclep_emulation.backend import (
     BACKEND,
     _device,
     _Module,
@@ -25,7 +25,7 @@ from moe_release.runtime.kernels.te_ep_emulation.backend import (
     _symm_alloc,
     _symm_group,
 )
-from moe_release.runtime.kernels.te_ep_emulation.sizes import TE_COMMITS
+from moe_release.runtime.kernels.ncclep_emulation.sizes import TE_COMMITS
 from moe_release.runtime.measure import faults
 
 

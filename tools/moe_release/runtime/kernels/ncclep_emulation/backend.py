@@ -25,7 +25,7 @@ from moe_release.runtime.kernels.emulation_common import (
     host_all_gather_ints,
     node_layout,
 )
-from moe_release.runtime.kernels.te_ep_emulation.sizes import (
+from moe_release.runtime.kernels.ncclep_emulation.sizes import (
     HANDLE_CACHE,
     LSA_RANKS_PER_NODE,
     TE_COMMITS,

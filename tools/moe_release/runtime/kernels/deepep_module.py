@@ -13,11 +13,11 @@ cited to the source it was read from:
 * :mod:`moe_release.runtime.kernels.hybridep_emulation` - ``HybridEPBuffer`` (the ``hybridep``
 backend);
 * :mod:`moe_release.runtime.kernels.deepep_emulation` - the normal-mode ``Buffer`` (``deepep``);
-* :mod:`moe_release.runtime.kernels.deepep_v2_emulation` - DeepEP v2's ``ElasticBuffer``
+* :mod:`moe_release.runtime.kernels.deepepv2_emulation` - DeepEP v2's ``ElasticBuffer``
 (``deepepv2``, dev);
 
 and what they share is :mod:`moe_release.runtime.kernels.emulation_common`. TransformerEngine's NCCL
-EP API (the ``ncclep`` backend) is registered by :mod:`moe_release.runtime.kernels.te_ep_emulation`.
+EP API (the ``ncclep`` backend) is registered by :mod:`moe_release.runtime.kernels.ncclep_emulation`.
 
 Only torch, the standard library and :mod:`moe_release.runtime.cuda.placement` are imported, so the
 package can be registered before megatron-core is first imported. It never activates by itself: call
@@ -33,12 +33,12 @@ import types
 
 from moe_release.runtime.kernels import (
     deepep_emulation,
-    deepep_v2_emulation,
+    deepepv2_emulation,
     emulation_common,
     hybridep_emulation,
 )
 from moe_release.runtime.kernels.deepep_emulation import LEAKED_BUFFERS, Buffer, Config  # noqa: F401
-from moe_release.runtime.kernels.deepep_v2_emulation import ElasticBuffer, EPHandle  # noqa: F401
+from moe_release.runtime.kernels.deepepv2_emulation import ElasticBuffer, EPHandle  # noqa: F401
 from moe_release.runtime.kernels.emulation_common import EventHandle, EventOverlap
 from moe_release.runtime.kernels.hybridep_emulation import (  # noqa: F401
     DEEP_EP_SOURCE_COMMIT,
@@ -62,7 +62,7 @@ __all__ = [
 IS_CPU_EMULATION = True
 
 # The modules that implement the kernels (each with its output table), and what they share.
-KERNEL_MODULES = (hybridep_emulation, deepep_emulation, deepep_v2_emulation, emulation_common)
+KERNEL_MODULES = (hybridep_emulation, deepep_emulation, deepepv2_emulation, emulation_common)
 
 
 def _real_deep_ep_importable() -> bool:
