@@ -17,7 +17,8 @@ backend);
 (``deepepv2``, dev);
 
 and what they share is :mod:`moe_release.runtime.kernels.emulation_common`. TransformerEngine's NCCL
-EP API (the ``ncclep`` backend) is registered by :mod:`moe_release.runtime.kernels.ncclep_emulation`.
+EP API (the ``ncclep`` backend) is registered by
+:mod:`moe_release.runtime.kernels.ncclep_emulation`.
 
 Only torch, the standard library and :mod:`moe_release.runtime.cuda.placement` are imported, so the
 package can be registered before megatron-core is first imported. It never activates by itself: call
