@@ -3,6 +3,10 @@
 The tooling (the ``moe_release`` package: the series, the CPU runtime, the planner's command, the
 report) lives under tools/, put first on ``sys.path`` here; tests import it, never the reverse.
 
+The fixtures and markers of the trees under test (``patched_tree``, ``dist_job``,
+``flex_backend``, ...) are the plugin :mod:`tests.helpers.trees`, loaded for every test here;
+what tests share that is not a fixture is in :mod:`tests.helpers`, imported as a module.
+
 Under CI (``CI`` set, as the CI runner does) a skipped test fails the run: a skip there means
 the setup a test needs (the materialized trees, a venv) is missing, and a green run that
 executed none of the release tests would hide that.
@@ -10,13 +14,15 @@ executed none of the release tests would hide that.
 
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
-TOOLS = str(Path(__file__).resolve().parents[1] / "tools")
-if TOOLS not in sys.path:
-    sys.path.insert(0, TOOLS)
+from tests.helpers import TOOLS
+
+if str(TOOLS) not in sys.path:
+    sys.path.insert(0, str(TOOLS))
+
+pytest_plugins = ("tests.helpers.trees",)
 
 _SKIPPED: list = []
 

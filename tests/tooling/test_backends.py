@@ -11,9 +11,8 @@ import importlib
 from pathlib import Path
 
 from moe_release import backends
+from tests.helpers import REPO_ROOT, TOOLS
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-TOOLS = REPO_ROOT / "tools"
 REGISTRY_FILE = TOOLS / "moe_release" / "backends.py"
 PLANNER = REPO_ROOT / "megatron/core/transformer/moe/moe_memory_planner/retained.py"
 CONFIG = "megatron/core/transformer/transformer_config.py"

@@ -12,11 +12,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT
 from packaging.requirements import Requirement
 
 from moe_release.series.pins import load_pins
 from moe_release.series.trees import load_tree
+from tests.helpers import REPO_ROOT
 
 pytestmark = pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs to run in a venv")
 
@@ -137,7 +137,7 @@ def _installed_planner_prices_seed_000(python: Path) -> None:
 
 
 def _backport_bases() -> list:
-    # The sdist bases (a commit base's wheel: test_commit_base.py, on a synthetic Megatron-LM).
+    # The sdist bases (a commit base's wheel: test_source.py, on a synthetic Megatron-LM).
     pins = load_pins()
     return [
         pytest.param(v, marks=[] if i == 0 else [pytest.mark.slow])

@@ -13,7 +13,7 @@ import tomllib
 import venv
 from pathlib import Path
 
-from conftest import REPO_ROOT
+from tests.helpers import REPO_ROOT
 
 PYPROJECT = REPO_ROOT / "tools" / "pyproject.toml"
 ENTRY_POINTS = tomllib.loads(PYPROJECT.read_text())["project"]["scripts"]

@@ -24,8 +24,7 @@ from typing import Dict, List, NamedTuple, Set
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-TOOLS = REPO_ROOT / "tools"
+from tests.helpers import REPO_ROOT, TOOLS
 
 # Lowest first. The planner's command (plan) imports nothing from the runtime nor the reverse
 # (the emulations size their buffers from their own reading of the kernels, never from the

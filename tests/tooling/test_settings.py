@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from moe_release import settings
+from tests.helpers import TOOLS
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
 SETTINGS_FILE = TOOLS / "moe_release" / "settings.py"
 
 # torchrun (or the CPU launcher) sets these per rank; ranks read them as torch's env:// does.

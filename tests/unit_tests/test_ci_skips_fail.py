@@ -6,11 +6,11 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO_ROOT
+
 RELEASE_TESTS = "tests/unit_tests/transformer/moe/test_dispatcher_state_release.py"
 
 

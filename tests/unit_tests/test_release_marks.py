@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO_ROOT
+
 HERE = Path(__file__).resolve().parent
 MARKS = re.compile(r"mark\.backport\b|\bbackport\(")
 

@@ -351,7 +351,7 @@ def test_overlap_with_full_recompute(dist_job, patched_tree, base_tree, case, re
         whole_chunk = "recompute_method must be None"
         why = [r["refused"] for r in patched]
         assert all("disable full recomputation" in w or whole_chunk in w for w in why), why
-        # Nothing to release here: its pass checks no retention (tests/unit_tests/conftest.py).
+        # Nothing to release here: its pass checks no retention (tests/helpers/trees.py).
         what = "only the whole-chunk form" if whole_chunk in why[0] else "no overlap"
         why_na = f"n/a: the tree has {what} with full recompute, not the per-layer replay"
         request.node.user_properties.append(("moe_release", why_na))

@@ -78,7 +78,7 @@ def _nodeid(classname: str, name: str) -> str:
     return "/".join(parts[: module + 1]) + ".py::" + "::".join(parts[module + 1 :] + [name])
 
 
-# What a test says of itself in the JUnit XML (tests/unit_tests/conftest.py writes it): a guard
+# What a test says of itself in the JUnit XML (tests/helpers/trees.py writes it): a guard
 # passes with and without the series (it checks what the series must not change); "n/a: WHY"
 # where the tree lacks what it tests. Either may pass on the commit without the series.
 KIND_PROPERTY = "moe_release"

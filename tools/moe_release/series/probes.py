@@ -23,7 +23,7 @@ nobody recorded (``run-tests --checkout``):
 
 Each probe states one topic's promise about the files as a reader would check it, and says in
 one line what is wrong. They read the text (``ast``), never import it, and pass on every
-stored series' own result (``tests/tooling/test_probes.py``).
+stored series' own result (``tests/tooling/series/test_probes.py``).
 """
 
 from __future__ import annotations

@@ -15,15 +15,15 @@ rollout-only) and what a rank that skips the call does to its peers.
 """
 
 import re
-from pathlib import Path
 
 import pytest
 
 from moe_release import backends
 from moe_release.report import colocated_section
+from tests.helpers import REPO_ROOT
 
 THIS = "tests.unit_tests.transformer.moe.test_colocated_loop_doc"
-DOC = Path(__file__).resolve().parents[4] / "docs" / "using.md"
+DOC = REPO_ROOT / "docs" / "using.md"
 HEADING = "## In a colocated RL loop"
 BACKENDS = [
     pytest.param(b, marks=[pytest.mark.flex_backend(b)] if b in backends.ONLY_SOME_TREES else [])

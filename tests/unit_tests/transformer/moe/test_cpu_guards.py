@@ -19,7 +19,8 @@ import textwrap
 import pytest
 
 from moe_release import settings
-from moe_release.runtime.ranks.launcher import REPO_ROOT, TOOLS, free_port
+from moe_release.runtime.ranks.launcher import TOOLS, free_port
+from tests.helpers import REPO_ROOT
 
 pytestmark = pytest.mark.backport  # release tests: run against every pinned base
 

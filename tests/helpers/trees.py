@@ -1,10 +1,14 @@
 # Copyright (c) 2026, moe-release contributors. All rights reserved.
 
-"""Trees under test and the multi-rank job cache.
+"""Trees under test and the multi-rank job cache: a pytest plugin (``pytest_plugins`` in
+tests/conftest.py), so that a test anywhere under tests/ (the release tests under unit_tests/,
+the runtime's tests under tooling/) has the same fixtures and markers.
 
 ``MOE_RELEASE_TREE`` is the patched tree (base + series + overlay modules) and
 ``MOE_RELEASE_BASE_TREE`` the pristine base plus overlay modules; each holds ``megatron/core``.
 The patched tree goes first on ``sys.path`` here and on ``PYTHONPATH`` of every spawned rank.
+Tests of a flex backend or code a tree lacks, or of an unset environment variable, are
+deselected here (not skipped: under CI a skip fails the run).
 """
 
 import json

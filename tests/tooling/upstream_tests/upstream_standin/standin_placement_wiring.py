@@ -3,7 +3,7 @@
 """Upstream-style tests of what the harness plugin (moe_release.upstream_tests.plugin) gives a
 test.
 
-``test_upstream_cpu.py`` copies this file into a stand-in checkout as
+``test_run.py`` copies this file into a stand-in checkout as
 ``tests/unit_tests/test_placement_wiring.py`` and runs it through ``run.py``, with the placement
 rules (and ``--te-local-spec``) and without them (``--no-placement``). Written as an upstream
 test is, for a GPU: where a comment says "a GPU raises", the test fails under the placement

@@ -2,9 +2,8 @@
 
 import json
 
-from conftest import REPO_ROOT
-
 from moe_release.commands import fault_matrix
+from tests.helpers import REPO_ROOT
 
 GOLDEN = REPO_ROOT / "tests/unit_tests/transformer/moe/golden_values/fault_matrix_base.json"
 

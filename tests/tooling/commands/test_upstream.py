@@ -524,7 +524,7 @@ def _topics_file(root: Path, text: str) -> Path:
 
 def test_every_patch_of_every_target_has_a_topic(base):
     """patches/topics.toml names every patch of patches/series (and nothing else), and every
-    series an upstream target exports (a backport by its Backport-Of:) splits into its topics;
+    series an upstream target exports (a backport by its Patch-Name:) splits into its topics;
     each topic has a PR description and its test files exist."""
     primary = [n for n, _ in read_series(base)]
     assert sorted(TOPICS.of_patch) == sorted(primary)

@@ -13,7 +13,7 @@ from moe_release.commands.matrix import (
 )
 from moe_release.common import UserError
 
-# What tests/unit_tests/conftest.py writes for a test marked `backport` (a release test).
+# What tests/helpers/trees.py writes for a test marked `backport` (a release test).
 RELEASE = '<properties><property name="moe_release_test" value="backport"/></properties>'
 CASES = {
     ("transformer.moe.test_dispatcher_state_release",

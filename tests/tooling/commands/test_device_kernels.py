@@ -9,9 +9,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT
 
 from moe_release.commands import device_kernels as dk
+from tests.helpers import REPO_ROOT
 
 
 def _git(repo: Path, *args: str) -> str:

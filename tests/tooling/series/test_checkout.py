@@ -1,7 +1,7 @@
 """A Megatron-LM checkout carrying the series (issue 32 items 2 and 4), on the synthetic
-Megatron-shaped repository of test_apply.py: the trees `run-tests --checkout` tests, the
-matrix row it records, and the label commit that makes `pip install` of the checkout a drop-in
-`verify` recognises."""
+Megatron-shaped repository of tests/helpers/megatron_repo.py: the trees `run-tests --checkout`
+tests, the matrix row it records, and the label commit that makes `pip install` of the checkout
+a drop-in `verify` recognises."""
 
 import json
 import os
@@ -12,7 +12,6 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from test_apply import FA, PS, TD, _apply, _commit, _git, mlm  # noqa: F401 (mlm: a fixture)
 
 from moe_release.commands import cli
 from moe_release.commands.apply import open_checkout
@@ -34,6 +33,7 @@ from moe_release.series.checkout import (
 )
 from moe_release.series.repo import overlay_files
 from moe_release.series.trees import MANIFEST_PATH
+from tests.helpers.megatron_repo import FA, PS, TD, apply_at, commit_files, git_in
 
 PLANNER = "megatron/core/transformer/moe/moe_memory_planner/__init__.py"
 # Megatron-LM's packaging, as its pyproject.toml has it (the version read from package_info.py,
@@ -58,23 +58,23 @@ requires-python = ">=3.10"
 """
 
 
-def test_the_trees_of_an_applied_branch(mlm):  # noqa: F811
+def test_the_trees_of_an_applied_branch(mlm):
     """The patched tree is the branch's megatron-core as committed (the work tree does not
     matter), the unpatched one the commit below its series and label commits; both carry the
     new modules; a commit without series commits needs --base-ref."""
     m, c, repo = mlm
-    _apply(m, c[4], repo)
+    apply_at(m, c[4], repo)
     branch = f"moe-release/{c[4][:12]}"
     (m / TD).write_text("a change in the work tree\n")
     trees = build_checkout_trees(open_checkout(m), branch, None, root=repo,
                                  line_of=lambda commit: "main")  # fmt: skip
-    head = _git(m, "rev-parse", branch)
+    head = git_in(m, "rev-parse", branch)
     assert (trees.name, trees.commit, trees.base_commit) == (f"checkout-{head[:12]}", head, c[4])
     assert trees.patched == repo / ".build" / "trees" / trees.name / "patched"
     assert trees.source == f"Megatron-LM `main` `{c[4][:12]}` (0.20.0) + 3 series commits"
     for rel in (TD, FA, PS):
-        assert (trees.base / rel).read_text() == _git(m, "show", f"{c[4]}:{rel}") + "\n"
-        assert (trees.patched / rel).read_text() == _git(m, "show", f"{branch}:{rel}") + "\n"
+        assert (trees.base / rel).read_text() == git_in(m, "show", f"{c[4]}:{rel}") + "\n"
+        assert (trees.patched / rel).read_text() == git_in(m, "show", f"{branch}:{rel}") + "\n"
         assert (trees.patched / rel).read_text() != (trees.base / rel).read_text()
     for tree in (trees.patched, trees.base):
         assert (tree / PLANNER).read_bytes() == dict(overlay_files(repo))[PLANNER]
@@ -138,7 +138,7 @@ def test_a_checkout_run_is_a_matrix_row_with_the_unpatched_outcomes(
     retention = "test_nothing_of_the_forward_outlives_backward[flex-hybridep-ep2-x]"
     equal = "test_bitwise_equal_to_base[flex-hybridep-ep2-x]"
     gone = "test_nothing_of_the_forward_outlives_backward[alltoall-dropless-ep2-x]"
-    # What tests/unit_tests/conftest.py writes for a release test (marked `backport`), a guard.
+    # What tests/helpers/trees.py writes for a release test (marked `backport`), a guard.
     marked = '<property name="moe_release_test" value="backport"/>'
     release = f"<properties>{marked}</properties>"
     guard = f'<properties><property name="moe_release" value="guard"/>{marked}</properties>'
@@ -190,7 +190,7 @@ def _pip(*args: str) -> str:
 
 @pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs to run in a venv")
 def test_pip_install_of_the_branch_is_the_labelled_drop_in(
-    mlm,  # noqa: F811
+    mlm,
     tmp_path,
     monkeypatch,
     capsys,
@@ -200,12 +200,12 @@ def test_pip_install_of_the_branch_is_the_labelled_drop_in(
     installs <version>+moerelease.3.HASH with the manifest, and verify recognises it; a file
     changed after the install, or a series changed since, is a mismatch."""
     m, c, repo = mlm
-    _, result, done = _apply(m, c[4], repo)
+    _, result, done = apply_at(m, c[4], repo)
     version = result.version
     assert version.startswith("0.20.0+moerelease.3.") and version in done[-1]
     clone = tmp_path / "clone"
-    _git(tmp_path, "clone", "--quiet", "--branch", f"moe-release/{c[4][:12]}", str(m), str(clone))
-    assert _git(clone, "log", "-1", "--format=%s") == LABEL_SUBJECT + version
+    git_in(tmp_path, "clone", "--quiet", "--branch", f"moe-release/{c[4][:12]}", str(m), str(clone))
+    assert git_in(clone, "log", "-1", "--format=%s") == LABEL_SUBJECT + version
     assert f"include {MANIFEST_PATH}" in (clone / "MANIFEST.in").read_text()
     (clone / "pyproject.toml").write_text(PYPROJECT)  # a Megatron-LM checkout has it
     env = dict(os.environ, NO_VCS_VERSION="0")  # package_info.py's git suffix, as users build
@@ -255,16 +255,16 @@ def test_pip_install_of_the_branch_is_the_labelled_drop_in(
     assert capsys.readouterr().out.startswith(f"MISMATCH: megatron-core at {core} does not match")
 
 
-def test_no_label_leaves_the_checkouts_packaging_as_it_was(mlm):  # noqa: F811
+def test_no_label_leaves_the_checkouts_packaging_as_it_was(mlm):
     """--no-label: the series' commits only; a commit whose package_info.py spells no version
     cannot carry the label, which the error says, and --no-label applies there."""
     m, c, repo = mlm
-    _, result, _ = _apply(m, c[4], repo, label=False)
+    _, result, _ = apply_at(m, c[4], repo, label=False)
     branch = f"moe-release/{c[4][:12]}"
     assert result.version is None
-    assert _git(m, "diff", "--name-only", c[4], branch).split() == sorted([TD, FA, PS])
-    c7 = _commit(m, "2026-07-20T12:00:00+00:00", "version from elsewhere (#8)",
+    assert git_in(m, "diff", "--name-only", c[4], branch).split() == sorted([TD, FA, PS])
+    c7 = commit_files(m, "2026-07-20T12:00:00+00:00", "version from elsewhere (#8)",
                  {"megatron/core/package_info.py": "__version__ = get_version()\n"})  # fmt: skip
     with pytest.raises(UserError, match=r"spells no MAJOR/MINOR/PATCH/PRE_RELEASE \(--no-label "):
-        _apply(m, c7, repo)
-    assert _apply(m, c7, repo, label=False)[1].ok
+        apply_at(m, c7, repo)
+    assert apply_at(m, c7, repo, label=False)[1].ok

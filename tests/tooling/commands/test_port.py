@@ -6,8 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import AUTHOR, REPO_ROOT, name_for, run_git, trailers
-
 from moe_release import settings
 from moe_release.commands.check import check_base
 from moe_release.commands.port import (
@@ -22,6 +20,8 @@ from moe_release.series.git import create_edit_repo, export_series
 from moe_release.series.patches import parse_patch, parse_series
 from moe_release.series.pins import load_pins
 from moe_release.series.source import CHECKOUT_ENV
+from tests.helpers import REPO_ROOT
+from tests.helpers.series import AUTHOR, name_for, run_git, trailers
 
 # A Megatron-LM repository holding the commit bases, where settings name one (none in CI).
 MIRROR = Path(settings.megatron_lm() or "/nonexistent")
@@ -51,7 +51,7 @@ def _counterpart(root: Path, target: str, primary: str) -> Path:
     sdir = _sdir(root, target)
     for name in parse_series((sdir / "series").read_text()):
         patch = parse_patch((sdir / name).read_bytes(), name)
-        if patch.trailers.get("Backport-Of", [name])[0] == primary:
+        if f"{patch.trailers['Patch-Name'][0]}.patch" == primary:
             return sdir / name
     raise AssertionError(f"{target} carries nothing from {primary}")
 
@@ -146,7 +146,7 @@ def test_one_line_change_reaches_every_series(tmp_path, repo, base, base_files, 
 
 def test_a_new_primary_patch_gets_the_backport_conventions(tmp_path, repo, base, base_files):
     """A primary patch a backport series does not carry yet is ported as a new backport
-    patch: ``cp: `fix(moe): …` into `<branch>``` with a Backport-Of: trailer, and checks."""
+    patch: ``cp: `fix(moe): …` into `<branch>```, named as its primary patch, and checks."""
     old = b"        self._maybe_reset_transient_forward_state()\n        return output\n"
     _edit_primary(
         tmp_path, repo, base, base_files,
@@ -199,13 +199,13 @@ def test_port_cli_dry_run_reports_each_patch():
 def test_a_stale_resolution_is_refused_naming_it(repo):
     """A resolution left behind for a patch the primary series no longer has (renamed or
     dropped) is an error naming its file, and nothing is written."""
-    stale = _sdir(repo, "core_r0.18.0") / RESOLUTIONS / "MoE-Renamed-long-ago.diff"
+    stale = _sdir(repo, "core_r0.18.0") / RESOLUTIONS / "renamed-long-ago.diff"
     stale.write_bytes(b"# stale\n")
     before = _snapshot(repo)
     try:
         port_all(["core_r0.18.0"], _mirror(), root=repo)
     except Exception as exc:  # UserError: one line for the CLI
-        assert "MoE-Renamed-long-ago.diff" in str(exc) and "no patch of patches/series" in str(exc)
+        assert "renamed-long-ago.diff" in str(exc) and "no patch of patches/series" in str(exc)
     else:
         raise AssertionError("a stale resolution was accepted")
     assert _snapshot(repo) == before

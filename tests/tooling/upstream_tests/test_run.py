@@ -34,8 +34,8 @@ from moe_release.series.pins import load_pins
 from moe_release.series.repo import read_series
 from moe_release.upstream_tests import per_patch
 from moe_release.upstream_tests import run as harness
+from tests.helpers import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 RUN = REPO_ROOT / "scripts" / "upstream_cpu" / "run.py"
 UPSTREAM_TESTS = REPO_ROOT / "patches" / "upstream" / "tests"
 WIRING = Path(__file__).resolve().parent / "upstream_standin" / "standin_placement_wiring.py"
@@ -275,7 +275,7 @@ def _defined(path: Path) -> set:
 
 
 def test_manifest_covers_every_patch_of_every_series():
-    """Every patch of every series (a backport by its Backport-Of:) has a manifest entry with a
+    """Every patch of every series (a backport by its Patch-Name:) has a manifest entry with a
     test that fails without it; every node id names a test its file defines, and every
     upstream-layout test file is named by some entry."""
     manifest = per_patch.load_manifest()

@@ -11,7 +11,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import AUTHOR, REPO_ROOT, run_git, trailers
 from packaging.requirements import Requirement
 
 from moe_release.commands.check import check_base
@@ -26,6 +25,8 @@ from moe_release.series.source import (
     read_commit,
 )
 from moe_release.series.trees import MANIFEST_PATH, load_tree
+from tests.helpers import REPO_ROOT
+from tests.helpers.series import AUTHOR, run_git, trailers
 
 SCRIPT = str(REPO_ROOT / "scripts" / "moe_release.py")
 FILES = {
