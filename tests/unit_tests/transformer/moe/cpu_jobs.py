@@ -122,7 +122,7 @@ def hybrid_ep_kernel_checks(emu, verdicts: Verdicts) -> None:
             _check(verdicts, f"{tag}-tokens", out, exp)
             _check(verdicts, f"{tag}-probs", out_probs, exp_probs)
             # Blocking: int64 counts in pinned host memory (compared as values here; where
-            # each output lives is test_deep_ep_emulation_outputs.py's).
+            # each output lives is test_deepep_emulation_outputs.py's).
             _check(
                 verdicts,
                 f"{tag}-tokens_per_expert",

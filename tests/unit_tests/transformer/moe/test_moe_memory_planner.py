@@ -38,7 +38,7 @@ import torch
 
 from moe_release.plan import cli, compare, inputs
 from moe_release.plan.pricing import load_planner, source_files
-from moe_release.runtime.ranks.launcher import REPO_ROOT
+from tests.helpers import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "scripts" / "moe_memory_plan.py"
 planner = load_planner()
@@ -246,7 +246,7 @@ def test_planner_and_emulations_size_the_new_backends_alike(
 ):
     """The planner's DeepEP v2 and NCCL EP terms and the CPU runtime's emulations were each
     written from the kernels' source, separately: they agree (each emulation's sizes are also
-    worked by hand in test_deepep_v2_emulation and test_te_ep_emulation)."""
+    worked by hand in test_deepepv2_emulation and test_ncclep_emulation)."""
     from moe_release.runtime.kernels import deepepv2_emulation as v2
     from moe_release.runtime.kernels import ncclep_emulation as te
 

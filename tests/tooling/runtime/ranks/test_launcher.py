@@ -14,7 +14,7 @@ import pytest
 from moe_release.runtime.ranks import launcher
 from moe_release.runtime.ranks.launcher import DistributedTestError, run_distributed
 
-THIS = "tests.unit_tests.test_launcher"
+THIS = "tests.tooling.runtime.ranks.test_launcher"
 _STATE = {}
 
 

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-THIS = "tests.unit_tests.transformer.moe.test_deepep_v2_internode"
+THIS = "tests.tooling.runtime.kernels.test_deepepv2_emulation_internode"
 WORLD, PER_NODE = 4, 2
 HIDDEN, TOKENS = 256, 8
 LAYOUT_ENV = "MOE_RELEASE_RANKS_PER_NODE"

@@ -16,9 +16,9 @@ from typing import Dict, List
 import pytest
 
 from moe_release.runtime.kernels import deepepv2_emulation as V2
-from tests.unit_tests.transformer.moe.test_deep_ep_emulation_outputs import _shape, parse_tables
+from tests.tooling.runtime.kernels.test_deepep_emulation_outputs import _shape, parse_tables
 
-THIS = "tests.unit_tests.transformer.moe.test_deepep_v2_emulation"
+THIS = "tests.tooling.runtime.kernels.test_deepepv2_emulation"
 WORLD = 2
 OUTPUT_ROWS, SYNC_ROWS = parse_tables(V2.__doc__)
 

@@ -12,7 +12,7 @@ gradient (by posting order, as NCCL does), which the rules refuse. The unbatched
 
 import pytest
 
-THIS = "tests.unit_tests.pipeline_parallel.test_p2p_rules"
+THIS = "tests.tooling.runtime.cuda.test_p2p_rules"
 
 
 def exchange(batch: bool, rules: bool) -> dict:

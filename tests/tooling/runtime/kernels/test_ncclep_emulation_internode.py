@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-THIS = "tests.unit_tests.transformer.moe.test_nccl_ep_internode"
+THIS = "tests.tooling.runtime.kernels.test_ncclep_emulation_internode"
 WORLD, PER_NODE = 4, 2
 LAYOUT_ENV = "MOE_RELEASE_RANKS_PER_NODE"
 pytestmark = pytest.mark.flex_backend("ncclep")

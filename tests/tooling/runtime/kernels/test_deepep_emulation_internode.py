@@ -10,7 +10,7 @@ is the ranks of one local rank on every node; dispatch returns the internode 10-
 that job's ranks, each a bounded rendezvous. Checked here: the buffer's bytes against
 ``csrc/config.hpp:51-103`` worked by hand, the internode output tables of
 ``deepep_emulation.Buffer.internode_dispatch``'s docstring row by row (as
-``test_deep_ep_emulation_outputs`` checks the intranode ones), the reference kernel checks of
+``test_deepep_emulation_outputs`` checks the intranode ones), the reference kernel checks of
 ``cpu_jobs`` on 2 nodes, megatron-core's real MoELayer bitwise equal to the one-node run, the
 explicit release's collective log, and a PE that never comes.
 """
@@ -22,14 +22,14 @@ from typing import Dict, List
 import pytest
 
 from moe_release.runtime.kernels import deepep_emulation
-from tests.unit_tests.transformer.moe.test_deep_ep_emulation_outputs import (
+from tests.tooling.runtime.kernels.test_deepep_emulation_outputs import (
     _describe,
     _row_id,
     _shape,
     parse_tables,
 )
 
-THIS = "tests.unit_tests.transformer.moe.test_deep_ep_internode"
+THIS = "tests.tooling.runtime.kernels.test_deepep_emulation_internode"
 WORLD, PER_NODE = 4, 2
 TOKENS = 12
 OUTPUT_ROWS, SYNC_ROWS = parse_tables(deepep_emulation.Buffer.internode_dispatch.__doc__)
@@ -82,7 +82,7 @@ def rank_kernels() -> Dict[str, object]:
     """2 nodes of 2: cpu_jobs' reference DeepEP checks (direct and host-staged, every factory
     naming a device) and its dispatcher and MoELayer checks against the dense oracle (plain and
     recomputed), then every internode call in every mode under the placement rules, each output
-    described as test_deep_ep_emulation_outputs describes them."""
+    described as test_deepep_emulation_outputs describes them."""
     import contextlib
     import sys
 

@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-THIS = "tests.unit_tests.transformer.moe.test_hybridep_internode"
+THIS = "tests.tooling.runtime.kernels.test_hybridep_emulation_internode"
 WORLD, PER_NODE = 4, 2
 LAYOUT_ENV = "MOE_RELEASE_RANKS_PER_NODE"
 
@@ -152,7 +152,7 @@ class _TwoNodeHybridEP:
 
 
 def rank_kernels_across_nodes(hold: float):
-    """The outputs job of test_deep_ep_emulation_outputs with HybridEP on two nodes; then a
+    """The outputs job of test_deepep_emulation_outputs with HybridEP on two nodes; then a
     buffer rank 3 keeps ``hold`` seconds while the others free theirs; then a regrowth rank 3
     never makes (its queue pairs' all-gathers: the others must raise within the bound)."""
     import contextlib
@@ -164,7 +164,7 @@ def rank_kernels_across_nodes(hold: float):
     from moe_release.runtime.cuda import placement
     from moe_release.runtime.kernels.install import load_deep_ep_emulation
     from moe_release.runtime.measure import cpu_memory, faults
-    from tests.unit_tests.transformer.moe import test_deep_ep_emulation_outputs as outputs
+    from tests.tooling.runtime.kernels import test_deepep_emulation_outputs as outputs
 
     res = {"ranks_per_node_env": settings.ranks_per_node()}
     emu = load_deep_ep_emulation()
@@ -383,7 +383,7 @@ def test_kernel_outputs_across_nodes(kernel_runs):
     """Every HybridEP row of the output tables, with M = 2 nodes of R = 2: the handle's per-node
     maps (``sparse_to_dense_map [N*M, R]``, ``rdma_to_attn_map [ceil16(N), M]``,
     ``attn_to_rdma_map [N, M-1]``) and the rest, on every rank, run and mode."""
-    from tests.unit_tests.transformer.moe import test_deep_ep_emulation_outputs as outputs
+    from tests.tooling.runtime.kernels import test_deepep_emulation_outputs as outputs
 
     assert [r["ranks_per_node_env"] for r in kernel_runs] == [PER_NODE] * WORLD
     results = [r["outputs"] for r in kernel_runs]

@@ -15,7 +15,7 @@ import pytest
 from moe_release.plan.pricing import load_planner
 from moe_release.report import buffer_section
 from moe_release.runtime.kernels import hybridep_emulation as hep
-from moe_release.runtime.ranks.launcher import REPO_ROOT
+from tests.helpers import REPO_ROOT
 
 # (hidden, experts, tokens per rank): the report's quick shape, one with scaling-factor rows
 # (H >= 128 per block) and a larger one.

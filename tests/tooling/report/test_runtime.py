@@ -15,7 +15,8 @@ import pytest
 
 from moe_release.report import cli, config, render, stats, worker
 from moe_release.report.runtime import ReportError, Runtime
-from moe_release.runtime.ranks.launcher import REPO_ROOT, rank_env, run_distributed
+from moe_release.runtime.ranks.launcher import rank_env, run_distributed
+from tests.helpers import REPO_ROOT
 
 
 @pytest.mark.parametrize(

@@ -103,7 +103,7 @@ def test_uneven_collectives_match_the_nccl_semantics():
     from moe_release.runtime.ranks.launcher import run_distributed
 
     results = run_distributed(
-        "tests.unit_tests.test_cpu_compat:rank_uneven_collectives", 2, "/nonexistent",
+        "tests.tooling.runtime.cuda.test_compat:rank_uneven_collectives", 2, "/nonexistent",
         emulate_deep_ep=False, timeout=120,
     )  # fmt: skip
     for res in results:

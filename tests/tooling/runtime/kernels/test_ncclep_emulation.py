@@ -19,9 +19,9 @@ from typing import Dict, List
 import pytest
 
 from moe_release.runtime.kernels import ncclep_emulation as TE
-from tests.unit_tests.transformer.moe.test_deep_ep_emulation_outputs import _shape, parse_tables
+from tests.tooling.runtime.kernels.test_deepep_emulation_outputs import _shape, parse_tables
 
-THIS = "tests.unit_tests.transformer.moe.test_te_ep_emulation"
+THIS = "tests.tooling.runtime.kernels.test_ncclep_emulation"
 WORLD = 2
 APIS = sorted(TE.TE_COMMITS)
 OUTPUT_ROWS, SYNC_ROWS = parse_tables(TE.__doc__)
