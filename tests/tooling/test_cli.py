@@ -49,11 +49,7 @@ def read_only_dir(tmp_path) -> Path:
 # file), `empty` (an empty directory) and `fake-python` (an executable that is no Python), {ro}
 # a read-only directory.
 NO_PARENT = "the target's parent directory does not exist"
-
-
 UNKNOWN_BASE = "unknown base version '9.9'"
-
-
 BAD_INPUTS = [
     (["materialize", "{t}/missing/out"], "{t}/missing: " + NO_PARENT),
     (["materialize", "{t}/file"], "{t}/file: target exists and is not a directory"),
