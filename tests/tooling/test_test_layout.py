@@ -14,12 +14,6 @@ TOOLING = TESTS / "tooling"
 PACKAGE = TOOLS / "moe_release"
 # Tests of the package as a whole (tests/tooling/test_<name>.py).
 WHOLE_PACKAGE = {"import_layers", "entry_points", "cli", "dropin_wheel", "test_layout"}
-# The commands moving from series/verbs/ to commands/ (and drift to series/): their tests are
-# filed where the modules go, whichever side of that move the tree is on.
-MOVING_VERBS = {
-    "apply", "check", "landed", "matrix", "port", "sweep", "upstream", "fetch", "materialize",
-    "edit", "export", "verify", "trees", "label",
-}  # fmt: skip
 
 
 def _modules(room: Path) -> set:
@@ -40,10 +34,6 @@ def misfiled(test: Path, package: Path = PACKAGE) -> bool:
         }
     else:
         known = _modules(package / room)
-        if room == Path("commands"):
-            known |= MOVING_VERBS
-        if room == Path("series"):
-            known |= _modules(package / "series" / "verbs") - MOVING_VERBS
     return not any(name == m or name.startswith(m + "_") for m in known)
 
 
