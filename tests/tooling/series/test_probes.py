@@ -15,14 +15,17 @@ import pytest
 from moe_release import settings
 from moe_release.commands.apply import run_apply
 from moe_release.commands.sweep import BORROWED, sweep
+from moe_release.common import UserError
 from moe_release.series import applying, probes
 from moe_release.series.applying import CONFLICT, Records, merge_right, merge_series
 from moe_release.series.merge import series_states
 from moe_release.series.nearest import open_checkout
+from moe_release.series.patches import parse_series
 from moe_release.series.pins import load_pins
 from moe_release.series.repo import read_series
 from moe_release.series.source import CHECKOUT_ENV, read_base_files
 from moe_release.series.topics import load_topics
+from tests.helpers import REPO_ROOT
 
 PINS = load_pins()
 SDIST_BASES = [name for name, b in PINS.bases.items() if not b.is_commit]
@@ -143,7 +146,7 @@ def test_nccl_ep_without_its_release_fails():
     defined = "def nccl_ep_release_context():\n    pass\n"
     left = probes.failures(_files(FUSED_A2A=boot + release))  # called, never defined
     assert [p.name for p, _ in left] == ["nccl-ep"]
-    assert left[0][0].patch == probes.NCCL_EP_PATCH
+    assert left[0][0].patch == "ncclep-context.patch"
     assert probes.failures(_files(FUSED_A2A=boot + release, TOKEN_DISPATCHER=defined)) == []
     old_release = "def reset_fused_a2a_buffers():\n    pass\n"  # no explicit release at all
     assert {p.name for p, _ in probes.failures(_files(FUSED_A2A=boot + old_release))} == {"nccl-ep"}
@@ -183,6 +186,29 @@ BASE_FAILS = {
     "0.18.2": RELEASES | {"triton", "layer-state"},
     "0.19.2": RELEASES | {"triton", "layer-state", "nccl-ep"},
 }
+
+
+def test_each_probe_is_kept_by_one_patch_of_its_topic():
+    """patches/topics.toml names, per patch, the probes whose promise it keeps: every probe is
+    listed by exactly one patch of the series, of the probe's topic, and no patch lists a probe
+    that does not exist (a renamed probe or patch fails here, not in apply)."""
+    topics = load_topics()
+    series = parse_series((REPO_ROOT / "patches" / "series").read_text())
+    assert sorted(topics.probes) == sorted(p.id for p in probes.PROBES)
+    for probe in probes.PROBES:
+        assert probe.patch in series, probe.id
+        assert topics.of_patch[probe.patch] == probe.topic, probe.id
+
+
+def test_a_probe_listed_twice_is_one_line_naming_both(tmp_path):
+    (tmp_path / "patches").mkdir()
+    text = (REPO_ROOT / "patches" / "topics.toml").read_text()
+    (tmp_path / "patches" / "topics.toml").write_text(
+        text.replace('probes = ["dispatcher-state/alltoall"]', 'probes = ["dispatcher-state/flex"]')
+    )
+    twice = r"probes: 'dispatcher-state/flex' is also flex-dispatcher-state.patch's"
+    with pytest.raises(UserError, match=r"patch.alltoall-dispatcher-state." + twice):
+        load_topics(tmp_path)
 
 
 @pytest.mark.parametrize("name", SDIST_BASES)
@@ -225,7 +251,7 @@ def test_merge_right_borrows_the_layer_state_patch_where_the_release_is_gone():
     assert all(not s.outcome.conflicts for s in plain)  # a clean merge, every patch
     failed = [s.outcome for s in plain if s.outcome.probe]
     assert [o.verdict for o in failed] == [CONFLICT]
-    assert failed[0].probe_patch == probes.LAYER_STATE_PATCH
+    assert failed[0].probe_patch == "overlap-layer-state.patch"
     assert "dispatched_probs" in failed[0].probe and "merged cleanly" in failed[0].note
 
     b17 = PINS.get("0.17.0")

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from moe_release.series.merge import Files
+from moe_release.series.topics import load_topics
 
 PAGED_STASH = "megatron/core/transformer/moe/paged_stash.py"
 OPS_PAGED_STASH = "megatron/core/transformer/moe/ops/paged_stash.py"
@@ -52,13 +53,23 @@ class Probe:
 
     topic: str
     name: str
-    patch: str  # the primary series' patch (patches/series) that keeps the promise
     paths: tuple[str, ...]  # the files it reads (absent ones are None)
     check: Callable[[Files], Optional[str]]  # what is wrong, in a line; None when it holds
     # A release probe: what it releases, in words, and whether the files have that backend or
     # path at all (None: a probe of something else, e.g. a CPU import).
     releases: str = ""
     present: Optional[Callable[[Files], bool]] = None
+
+    @property
+    def id(self) -> str:
+        """``topic/name``, as patches/topics.toml's ``probes`` name it."""
+        return f"{self.topic}/{self.name}"
+
+    @property
+    def patch(self) -> str:
+        """The patch (its file, ``<name>.patch``) that keeps the promise: the one whose
+        ``[patch.<name>]`` in patches/topics.toml lists this probe."""
+        return load_topics().probes[self.id]
 
 
 def _tree(files: Files, path: str) -> Optional[ast.Module]:
@@ -149,10 +160,6 @@ def layer_state_released(files: Files) -> Optional[str]:
     return None
 
 
-CPU_IMPORT_PATCH = "cpu-import.patch"
-LAYER_STATE_PATCH = "overlap-layer-state.patch"
-
-
 def elastic_buffer_kept(files: Files) -> Optional[str]:
     """comm-buffers: where fused_a2a builds DeepEP v2's ``ElasticBuffer``, it builds it with
     ``explicitly_destroy=True`` (no destroy from a finalizer), and never rebinds
@@ -198,15 +205,6 @@ def elastic_buffer_kept(files: Files) -> Optional[str]:
                         "it replaces, which a pending backward may still use")  # fmt: skip
     return None
 
-
-DEEPEP_V2_PATCH = "free-comm-buffers.patch"
-FLEX_PATCH = "flex-dispatcher-state.patch"
-ALLTOALL_PATCH = "alltoall-dispatcher-state.patch"
-ALLGATHER_PATCH = "allgather-dispatcher-state.patch"
-SCHEDULE_NODE_PATCH = "overlap-node-detached.patch"
-CHUNK_STATE_PATCH = "overlap-chunk-state.patch"
-COMM_BUFFERS_PATCH = DEEPEP_V2_PATCH
-NCCL_EP_PATCH = "ncclep-context.patch"
 
 # ----------------------------------------------------------------------------- the releases
 #
@@ -375,15 +373,13 @@ PROBES = (
     Probe(
         "cpu-import",
         "triton",
-        CPU_IMPORT_PATCH,
         (PAGED_STASH, OPS_PAGED_STASH, OPS_INIT),
         triton_guard,
     ),  # fmt: skip
-    Probe("cpu-import", "te_general_gemm", CPU_IMPORT_PATCH, (MOE_UTILS,), te_general_gemm_bound),
+    Probe("cpu-import", "te_general_gemm", (MOE_UTILS,), te_general_gemm_bound),
     Probe(
         "dispatcher-state",
         "flex",
-        FLEX_PATCH,
         (TOKEN_DISPATCHER,),
         _FLEX[1],
         "the flex dispatcher's state",
@@ -392,7 +388,6 @@ PROBES = (
     Probe(
         "dispatcher-state",
         "alltoall",
-        ALLTOALL_PATCH,
         (TOKEN_DISPATCHER,),
         _ALLTOALL[1],
         "the all-to-all dispatcher's state",
@@ -401,7 +396,6 @@ PROBES = (
     Probe(
         "dispatcher-state",
         "allgather",
-        ALLGATHER_PATCH,
         (TOKEN_DISPATCHER,),
         _ALLGATHER[1],
         "the all-gather dispatcher's state",
@@ -410,7 +404,6 @@ PROBES = (
     Probe(
         "a2a-overlap",
         "schedule-node",
-        SCHEDULE_NODE_PATCH,
         (CALLABLES, COMMON_UTILS),
         schedule_node_released,
         "the A2A overlap's schedule nodes",
@@ -419,7 +412,6 @@ PROBES = (
     Probe(
         "a2a-overlap",
         "layer-state",
-        LAYER_STATE_PATCH,
         (CALLABLES,),
         layer_state_released,
         "the A2A overlap's layer state",
@@ -428,7 +420,6 @@ PROBES = (
     Probe(
         "a2a-overlap",
         "chunk-state",
-        CHUNK_STATE_PATCH,
         (CHUNK_PLAN,),
         chunk_state_released,
         "the A2A overlap's chunk state",
@@ -437,7 +428,6 @@ PROBES = (
     Probe(
         "comm-buffers",
         "hybridep",
-        COMM_BUFFERS_PATCH,
         (FUSED_A2A,),
         _buffers_released("HybridEP's buffer"),
         "HybridEP's buffers",
@@ -446,7 +436,6 @@ PROBES = (
     Probe(
         "comm-buffers",
         "deepep",
-        COMM_BUFFERS_PATCH,
         (FUSED_A2A,),
         _buffers_released("DeepEP's Buffer"),
         "DeepEP's buffers",
@@ -455,7 +444,6 @@ PROBES = (
     Probe(
         "comm-buffers",
         "deepep-v2",
-        DEEPEP_V2_PATCH,
         (FUSED_A2A,),
         _deep_ep_v2_released,
         "DeepEP v2's buffers",
@@ -464,7 +452,6 @@ PROBES = (
     Probe(
         "comm-buffers",
         "nccl-ep",
-        NCCL_EP_PATCH,
         (FUSED_A2A, TOKEN_DISPATCHER),
         nccl_ep_released,
         "NCCL EP's context",

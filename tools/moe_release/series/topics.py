@@ -37,8 +37,9 @@ TEXT_KEYS = (
 )  # fmt: skip
 ON_KEYS = ("title", "summary", "related", "backends", "rename")
 TEST_FILE_KEYS = ("requires", "message")
-# A patch's table: its topic and the upstream-layout tests that show it (per_patch.py's).
-PATCH_KEYS = ("topic", "tests")
+# A patch's table: its topic, the upstream-layout tests that show it (per_patch.py's) and the
+# probes (series/probes.py, "topic/name") whose promise it keeps in a merged tree.
+PATCH_KEYS = ("topic", "tests", "probes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,7 @@ class Topics:
     text: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     on: dict[tuple[str, str], dict] = dataclasses.field(default_factory=dict)
     test_files: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    probes: dict[str, str] = dataclasses.field(default_factory=dict)  # probe -> patch file
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -187,7 +189,7 @@ def _load(path: Path, mtime_ns: int) -> Topics:
         on.update(_on(name, table.get("on", {}), f"{where}.on"))
     if CPU_IMPORT not in prerequisites:
         raise UserError(f"{TOPICS_FILE}: no [topic.{CPU_IMPORT}]")
-    of_patch = {}
+    of_patch, probes = {}, {}
     for name, table in data.get("patch", {}).items():
         where = f"{TOPICS_FILE}: patch.{name}"
         if not isinstance(table, dict) or set(table) - set(PATCH_KEYS):
@@ -197,6 +199,10 @@ def _load(path: Path, mtime_ns: int) -> Topics:
         if topic not in prerequisites:
             raise UserError(f"{where}: topic {topic!r} is not a declared topic")
         of_patch[f"{name}.patch"] = topic
+        for probe in _string_list(table.get("probes", []), f"{where}.probes"):
+            if probe in probes:
+                raise UserError(f"{where}.probes: {probe!r} is also {probes[probe]}'s")
+            probes[probe] = f"{name}.patch"
     test_files = {}
     for name, table in data.get("test-file", {}).items():
         where = f"{TOPICS_FILE}: test-file.{name}"
@@ -204,7 +210,7 @@ def _load(path: Path, mtime_ns: int) -> Topics:
         if extra:
             raise UserError(f"{where}: unknown key {extra[0]!r} ({', '.join(TEST_FILE_KEYS)})")
         test_files[name] = _strings(table, TEST_FILE_KEYS, where)
-    return Topics(dict(of_patch), prerequisites, tests, text, on, test_files)
+    return Topics(dict(of_patch), prerequisites, tests, text, on, test_files, probes)
 
 
 def load_topics(root: Path = REPO_ROOT) -> Topics:
