@@ -2,10 +2,13 @@
 exit status 2, no traceback, nothing written."""
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import REPO_ROOT
 from tests.helpers.series import cli
 
 
@@ -17,6 +20,19 @@ from tests.helpers.series import cli
 def test_every_verb_has_help(verb):
     result = cli(verb, "--help")
     assert result.returncode == 0 and "usage: moe_release.py " + verb in result.stdout
+
+
+def test_a_tool_says_its_command_and_its_script_says_its_own_name():
+    """A tool with its own parser, run as ``moe_release.py report``, names that command in its
+    usage line; run as its script (the alias), it prints what the script always printed."""
+    result = cli("report", "--help")
+    assert result.returncode == 0
+    assert result.stdout.startswith("usage: moe_release.py report [-h]"), result.stdout
+    script = REPO_ROOT / "scripts" / "memory_report.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--help"], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.startswith("usage: memory_report.py [-h]"), result.stdout
 
 
 def test_user_error_is_one_line_without_traceback(tmp_path):

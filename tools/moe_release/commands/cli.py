@@ -73,7 +73,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args, rest = parser.parse_known_args(argv)
     command = args.command
     if command.own_parser:
+        # Called by its name, the tool's usage line says so; by an alias (its old script's
+        # name), it runs as that script did.
         args.argv = rest
+        args.prog = f"{PROG} {command.name}" if args.verb == command.name else None
         return command.run(args)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

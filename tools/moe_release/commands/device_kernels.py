@@ -137,12 +137,12 @@ def prepare(
     ]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> int:
     from moe_release import settings
     from moe_release.series.trees import ensure_trees
 
     parser = argparse.ArgumentParser(
-        prog="device-check kernels", description=__doc__.split("\n")[0]
+        prog=prog or "device-check kernels", description=__doc__.split("\n")[0]
     )
     parser.add_argument("verb", choices=["prepare"])
     parser.add_argument("--deep-ep", type=Path, default=None,
@@ -165,7 +165,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """:func:`main` on the words after the command's name."""
-    return main(args.argv)
+    return main(args.argv, prog=args.prog)
 
 
 register(
@@ -173,7 +173,7 @@ register(
         name="device-kernels",
         help="prepare the folder a lent GPU needs to run the real HybridEP and DeepEP kernels",
         run=run,
-        aliases=(),
+        aliases=("device_kernels",),  # scripts/device-check kernels: its usage line
         own_parser=True,
     )
 )

@@ -200,8 +200,8 @@ def failures(rows: Dict[str, Dict[str, dict]], base_row: str) -> List[str]:
     return lines
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated: {list(ROWS)}")
     parser.add_argument("--base", help="base from patches/pins.toml (default: primary)")
     parser.add_argument("--checkout", help="Megatron-LM checkout for a commit base")
@@ -293,7 +293,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """:func:`main` on the words after the command's name."""
-    return main(args.argv)
+    return main(args.argv, prog=args.prog)
 
 
 register(

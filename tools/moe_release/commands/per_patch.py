@@ -15,7 +15,7 @@ def run(args: argparse.Namespace) -> int:
     """The tool's own ``main`` on the words after the command's name."""
     from moe_release.upstream_tests.per_patch import main
 
-    return main(args.argv)
+    return main(args.argv, prog=args.prog)
 
 
 register(

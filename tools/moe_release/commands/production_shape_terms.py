@@ -14,6 +14,7 @@ Hidden 2048, 256 experts, top-8, 105,153 tokens per rank, EP2, bf16, fp32 router
 
 import argparse
 import sys
+from typing import List, Optional
 
 from moe_release.commands.registry import Command, register
 
@@ -45,8 +46,8 @@ def planner_lines(dispatcher: str, backend, recompute: bool, layers: int, releas
     return out
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("dispatcher", help="flex:hybridep, flex:deepep, alltoall or allgather")
     parser.add_argument("--recompute", action="store_true", help="recompute the MoE layer")
     parser.add_argument("--layers", type=int, default=1)
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """:func:`main` on the words after the command's name."""
-    return main(args.argv)
+    return main(args.argv, prog=args.prog)
 
 
 register(

@@ -14,7 +14,7 @@ def run(args: argparse.Namespace) -> int:
     """The tool's own ``main`` on the words after the command's name."""
     from moe_release.report.cli import main
 
-    return main(args.argv)
+    return main(args.argv, prog=args.prog)
 
 
 register(

@@ -139,9 +139,9 @@ def _profile(
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     """Entry point."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(REPO_ROOT / ".build" / "report"), help="output dir")
     parser.add_argument(
         "--quick", action="store_true", help="small run, no sweep, one overlap peak run (for tests)"

@@ -344,9 +344,9 @@ def print_report(result: dict) -> None:
     print(f"  {len(result['checks']) - bad} of {len(result['checks'])} expectations hold")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> int:
     """Parse the arguments, run, print the report (and write it)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--base", help="a base from patches/pins.toml (default: primary)")
     parser.add_argument("--patch", action="append", default=[], help="a patch (repeatable)")
     parser.add_argument("--first", action="store_true", help="only each patch's first test")

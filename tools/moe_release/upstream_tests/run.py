@@ -232,9 +232,9 @@ def print_summary(summary: dict, wall_s: float) -> None:
     print(f"  wall time: {wall_s:.0f} s")
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> int:
     """Parse the arguments, run the ranks, print (and write) the counts."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("checkout", type=Path, help="a Megatron-LM checkout (has tests/unit_tests)")
     parser.add_argument("--nproc", type=int, default=8, help="ranks (default 8, as upstream CI)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for the whole run")
