@@ -582,6 +582,8 @@ prerequisites = ["c", "b"]
         ("[patch.x]\ntopic = \"nope\"\n[topic.cpu-import]\n",
          "patch.x: topic 'nope' is not a declared topic"),
         ("[patch.x]\ntopc = \"a\"\n[topic.cpu-import]\n", "patch.x: unknown key 'topc'"),
+        ("[topic.cpu-import]\n[patch.x]\ntopic = \"cpu-import\"\n[[patch.x.not-carried]]\n"
+         "series = []\n", r"patch.x.not-carried\[0\]: wants exactly series, definitions, why"),
         ("[topic.memory]\n[topic.cpu-import]\n", "topic.memory: not a topic table"),
         ("[topic.a]\nprerequisite = []\n[topic.cpu-import]\n", "unknown key 'prerequisite'"),
         ("[topic.a]\ntests = \"t.py\"\n[topic.cpu-import]\n", "topic.a.tests: must be a list"),

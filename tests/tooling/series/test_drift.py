@@ -2,7 +2,8 @@
 
 Every function, method and class attribute the primary series adds to megatron-core must be
 the same code (AST with docstrings) at the end of every backport series and upstream variant,
-unless drift.NOT_CARRIED names it for that series with the reason.
+unless the patch it belongs to names it for that series, with the reason, in its not-carried
+table (``[[patch.<name>.not-carried]]`` in patches/topics.toml).
 """
 
 import pytest
@@ -10,6 +11,10 @@ import pytest
 from moe_release import settings
 from moe_release.common import UserError
 from moe_release.series import drift
+from moe_release.series.pins import load_pins
+from moe_release.series.repo import read_series
+from moe_release.series.source import read_base_files
+from moe_release.series.topics import load_topics
 
 TD = "megatron/core/transformer/moe/token_dispatcher.py"
 
@@ -80,3 +85,35 @@ def test_every_series_ends_with_the_primary_release_code():
     if settings.megatron_lm():
         assert {"main-d98e8a6", "dev-d48bd6b"} <= set(compared), compared
     assert problems == [], "\n".join(problems)
+
+
+def test_each_not_carried_definition_is_one_its_patch_changes():
+    """A not-carried entry sits with the patch whose code it is: every definition a patch's
+    table names is one that patch adds or changes in the primary series."""
+    pins = load_pins()
+    primary = pins.get(None)
+    files = read_base_files(primary)
+    series = read_series(primary)
+    touched = drift.apply_series(files, series)
+    changes: dict[str, set] = {}
+    for i, (name, _) in enumerate(series):
+        base = {p: files.get(p) for p in touched}
+        after = drift.python_defs({**base, **drift.apply_series(files, series[: i + 1])})
+        prev = drift.python_defs({**base, **drift.apply_series(files, series[:i])})
+        for key in set(after) | set(prev):
+            if after.get(key) != prev.get(key):
+                changes.setdefault(key, set()).add(name)
+    entries = load_topics().not_carried
+    assert entries
+    for (sdir, key), (patch, _) in entries.items():
+        assert patch in changes.get(key, set()), (sdir, key, patch, changes.get(key))
+
+
+def test_a_series_without_its_not_carried_entries_drifts(monkeypatch):
+    """The tables are what lets a branch leave code out: without core_r0.16.0's entries, its
+    series is reported for the NCCL EP release it does not carry."""
+    kept = {k: v for k, v in drift.not_carried().items() if "core_r0.16.0" not in k[0]}
+    monkeypatch.setattr(drift, "not_carried", lambda root=None: kept)
+    _, problems = drift.compare_all()
+    assert problems and all(p.startswith("patches/backports/core_r0.16.0: ") for p in problems)
+    assert any("nccl_ep_release_context is missing" in p for p in problems), problems

@@ -6,7 +6,8 @@ The *release code* is what the primary series adds to megatron-core: every funct
 class attribute present in the patched primary tree and absent from its base. Each other series
 (backports, the main/dev variants) must end with the same definitions, compared as code (the
 AST with docstrings, so comments may differ where a branch lacks what they mention), or name
-the ones it does not carry in :data:`NOT_CARRIED` with the reason. On dev, which already has
+the ones it does not carry, with the reason, in the ``not-carried`` tables of the patch they
+belong to (``[[patch.<name>.not-carried]]`` in patches/topics.toml). On dev, which already has
 part of the API (#5869), the definitions the series modifies count as well: after the series
 they must equal the primary's.
 """
@@ -18,61 +19,9 @@ from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
 from moe_release.series.patches import apply_file_patch, parse_patch
+from moe_release.series.topics import load_topics
 
 Files = Mapping[str, Optional[bytes]]
-
-# (series directory, "path::qualname") -> why that series does not end with that definition, or
-# ends with a different one. Every entry is a reason a reviewer can check on that branch.
-_DEV_V2 = "dev also has DeepEP v2's buffers (a third _BufferTable), which these hold and release"
-_BUFFERS = "megatron/core/transformer/moe/fused_a2a.py::"
-_DISPATCHER = "megatron/core/transformer/moe/token_dispatcher.py::"
-_NO_NCCL_EP = "this branch has no NCCL EP (moe_flex_dispatcher_backend: 'deepep', 'hybridep')"
-_NCCL_EP_RELEASE = (
-    "_note_nccl_ep_capture",
-    "is_nccl_ep_bootstrapped",
-    "_NCCLEPContext.identity",
-    "_NCCLEPContext.group",
-    "_destroy_needs_group",
-    "_agree",
-    "_graph_use",
-    "reset_fused_a2a_buffers",
-)
-NOT_CARRIED: dict[tuple[str, str], str] = {
-    ("patches/upstream/dev", _BUFFERS + "reset_fused_a2a_buffers"): _DEV_V2,
-    ("patches/upstream/dev", _BUFFERS + "_destroy_needs_group"): (
-        "dev's DeepEP v2 buffer on the group's own NCCL communicator (EP_REUSE_NCCL_COMM=1) "
-        "needs that group to destroy, as NCCL EP's context does"
-    ),
-    ("patches/upstream/dev", _DISPATCHER + "nccl_ep_release_context"): (
-        "dev's NCCL EP manager has no zero-copy buffers: its release only finalizes the context"
-    ),
-    ("patches/upstream/main", _BUFFERS + "is_nccl_ep_bootstrapped"): (
-        "main has its own (TE's is_ep_bootstrapped where TE has it), which the series extends "
-        "by the EP group"
-    ),
-    ("patches/upstream/main", _DISPATCHER + "nccl_ep_release_context"): (
-        "main has its own (paged stash's rerun calls it), which the series calls"
-    ),
-    (
-        "patches/upstream/main",
-        _DISPATCHER + "MoEAlltoAllTokenDispatcher.reset_transient_forward_state",
-    ): (
-        "main's batch_invariant_mode keeps batch_invariant_inverse_permutation_mapping from "
-        "dispatch_preprocess to combine_postprocess; the release drops it too"
-    ),
-}
-# The release branches before 0.19 carry none of NCCL EP's release (reset_fused_a2a_buffers,
-# _agree and _graph_use there are the primary's without their NCCL EP part).
-for _series in (
-    "patches/backports/core_r0.18.0",
-    "patches/backports/core_r0.18.0@0.18.0",
-    "patches/backports/core_r0.17.0",
-    "patches/backports/core_r0.17.0@0.17.0",
-    "patches/backports/core_r0.16.0",
-):
-    for _name in _NCCL_EP_RELEASE:
-        NOT_CARRIED[(_series, _BUFFERS + _name)] = _NO_NCCL_EP
-    NOT_CARRIED[(_series, _DISPATCHER + "nccl_ep_release_context")] = _NO_NCCL_EP
 
 
 def definitions(source: bytes, path: str) -> dict[str, str]:
@@ -127,11 +76,24 @@ def release_code(base: Files, patched: Files) -> dict[str, str]:
     return {k: v for k, v in after.items() if k not in before}
 
 
+def not_carried(root: Optional[Path] = None) -> dict[tuple[str, str], str]:
+    """(series directory, "path::qualname") -> why that series does not end with that
+    definition, or ends with a different one: patches/topics.toml's ``not-carried`` tables."""
+    topics = load_topics(root) if root else load_topics()
+    return {key: why for key, (_, why) in topics.not_carried.items()}
+
+
 def drift(
-    release: Mapping[str, str], target_base: Files, target_patched: Files, sdir: str
+    release: Mapping[str, str],
+    target_base: Files,
+    target_patched: Files,
+    sdir: str,
+    skip: Optional[Mapping[tuple[str, str], str]] = None,
 ) -> list[str]:
     """One line per release definition the target series does not end with as the primary
-    does (absent, or different), unless :data:`NOT_CARRIED` names it for ``sdir``."""
+    does (absent, or different), unless ``skip`` (default: :func:`not_carried`) names it for
+    ``sdir``."""
+    skip = not_carried() if skip is None else skip
     paths = {key.split("::", 1)[0] for key in release} | set(target_patched)
     files = {p: target_patched.get(p, target_base.get(p)) for p in paths}
     have = python_defs(files)
@@ -140,7 +102,7 @@ def drift(
         by_name.setdefault(key.split("::", 1)[1], []).append(dump)  # fine_grained_callables)
     problems = []
     for key, dump in sorted(release.items()):
-        if (sdir, key) in NOT_CARRIED:
+        if (sdir, key) in skip:
             continue
         found = [have[key]] if key in have else by_name.get(key.split("::", 1)[1], [])
         if not found:
@@ -174,6 +136,6 @@ def compare_all(
             continue
         theirs = read_base_files(base, checkout)
         patched = apply_series(theirs, read_series(base, root))
-        problems += drift(release, theirs, patched, base.series)
+        problems += drift(release, theirs, patched, base.series, not_carried(root))
         compared.append(base.name)
     return compared, problems

@@ -37,9 +37,11 @@ TEXT_KEYS = (
 )  # fmt: skip
 ON_KEYS = ("title", "summary", "related", "backends", "rename")
 TEST_FILE_KEYS = ("requires", "message")
-# A patch's table: its topic, the upstream-layout tests that show it (per_patch.py's) and the
-# probes (series/probes.py, "topic/name") whose promise it keeps in a merged tree.
-PATCH_KEYS = ("topic", "tests", "probes")
+# A patch's table: its topic, the upstream-layout tests that show it (per_patch.py's), the
+# probes (series/probes.py, "topic/name") whose promise it keeps in a merged tree, and its
+# release code a series does not carry as the primary does (series/drift.py's), with why.
+PATCH_KEYS = ("topic", "tests", "probes", "not-carried")
+NOT_CARRIED_KEYS = ("series", "definitions", "why")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,8 @@ class Topics:
     on: dict[tuple[str, str], dict] = dataclasses.field(default_factory=dict)
     test_files: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     probes: dict[str, str] = dataclasses.field(default_factory=dict)  # probe -> patch file
+    # (series directory, "path::qualname") -> (patch file, why the series does not carry it)
+    not_carried: dict[tuple[str, str], tuple[str, str]] = dataclasses.field(default_factory=dict)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -189,7 +193,7 @@ def _load(path: Path, mtime_ns: int) -> Topics:
         on.update(_on(name, table.get("on", {}), f"{where}.on"))
     if CPU_IMPORT not in prerequisites:
         raise UserError(f"{TOPICS_FILE}: no [topic.{CPU_IMPORT}]")
-    of_patch, probes = {}, {}
+    of_patch, probes, not_carried = {}, {}, {}
     for name, table in data.get("patch", {}).items():
         where = f"{TOPICS_FILE}: patch.{name}"
         if not isinstance(table, dict) or set(table) - set(PATCH_KEYS):
@@ -203,6 +207,16 @@ def _load(path: Path, mtime_ns: int) -> Topics:
             if probe in probes:
                 raise UserError(f"{where}.probes: {probe!r} is also {probes[probe]}'s")
             probes[probe] = f"{name}.patch"
+        for i, entry in enumerate(table.get("not-carried", [])):
+            here = f"{where}.not-carried[{i}]"
+            if not isinstance(entry, dict) or set(entry) != set(NOT_CARRIED_KEYS):
+                raise UserError(f"{here}: wants exactly {', '.join(NOT_CARRIED_KEYS)}")
+            why = _strings(entry, ("why",), here)["why"]
+            for series in _string_list(entry["series"], f"{here}.series"):
+                for definition in _string_list(entry["definitions"], f"{here}.definitions"):
+                    if (series, definition) in not_carried:
+                        raise UserError(f"{here}: {series} {definition} is listed twice")
+                    not_carried[(series, definition)] = (f"{name}.patch", why)
     test_files = {}
     for name, table in data.get("test-file", {}).items():
         where = f"{TOPICS_FILE}: test-file.{name}"
@@ -210,7 +224,7 @@ def _load(path: Path, mtime_ns: int) -> Topics:
         if extra:
             raise UserError(f"{where}: unknown key {extra[0]!r} ({', '.join(TEST_FILE_KEYS)})")
         test_files[name] = _strings(table, TEST_FILE_KEYS, where)
-    return Topics(dict(of_patch), prerequisites, tests, text, on, test_files, probes)
+    return Topics(dict(of_patch), prerequisites, tests, text, on, test_files, probes, not_carried)
 
 
 def load_topics(root: Path = REPO_ROOT) -> Topics:
