@@ -525,6 +525,31 @@ def test_on_the_mirror_each_pinned_commit_takes_its_own_series():
         assert {o.verdict for o in result.outcomes} == {APPLIED}, co.describe(ref)
 
 
+@pytest.mark.needs_env(CHECKOUT_ENV)
+def test_on_the_mirror_a_new_subject_keeps_the_recorded_resolution(repo):
+    """On the real mirror and a copy of this repository: rewording the subject of
+    core_r0.17.0's flex-dispatcher-state (recorded at 83e7466c60e2) changes one line; check
+    passes on 0.17.1 and apply at that commit still replays the record."""
+    mirror = Path(settings.megatron_lm())
+    _, before, _ = run_apply(mirror, "83e7466c60e2", dry_run=True, root=repo)
+    path = repo / "patches" / "backports" / "core_r0.17.0" / "flex-dispatcher-state.patch"
+    data = path.read_bytes()
+    old = b"Subject: cp: `fix(moe): release flex dispatcher state after combine` into\n"
+    new = b"Subject: cp: `fix(moe): drop the flex dispatcher's routing state` into\n"
+    assert old in data
+    path.write_bytes(data.replace(old, new, 1))
+    assert set(data.splitlines()) ^ set(path.read_bytes().splitlines()) == {
+        old.rstrip(),
+        new.rstrip(),
+    }
+    assert check_base(load_pins(repo / "patches" / "pins.toml").get("0.17.1"), repo) == []
+    _, after, _ = run_apply(mirror, "83e7466c60e2", dry_run=True, root=repo)
+    assert [(o.patch, o.verdict, o.note) for o in after.outcomes] == [
+        (o.patch, o.verdict, o.note) for o in before.outcomes
+    ]
+    assert verdicts(after)["flex-dispatcher-state.patch"] == REPLAYED
+
+
 def test_a_record_serves_every_commit_with_the_same_conflict(mlm):
     """A resolution recorded at dev's d0 (the same conflict as main's c1, which d0 descends
     from) is replayed at c1 too, before the commit it was recorded at: records are keyed by
