@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 from moe_release.commands.registry import Command, register
 from moe_release.common import REPO_ROOT, UserError
 from moe_release.series.git import create_edit_repo, format_patches
-from moe_release.series.patches import Patch, name_of, parse_patch, upstream_subject
+from moe_release.series.patches import Patch, parse_patch, primary_name, upstream_subject
 from moe_release.series.pins import Base
 from moe_release.series.source import available, not_configured, read_base_files
 from moe_release.series.targets import (
@@ -157,10 +157,9 @@ def _slug(subject: str) -> str:
 def patch_topic(patch: Patch, topics: Topics) -> str:
     """The PR a patch belongs to, by its name in patches/topics.toml (the same in every
     series); a patch no topic claims is an error naming it."""
-    name = name_of(patch)
-    for key in (f"{name}.patch" if name else None, patch.name):
-        if key in topics.of_patch:
-            return topics.of_patch[key]
+    topic = topics.of_patch.get(primary_name(patch))
+    if topic:
+        return topic
     raise UserError(f"{patch.name}: belongs to no upstream topic (add it to {TOPICS_FILE})")
 
 

@@ -39,7 +39,7 @@ from moe_release.series.merge import (
     merge_patch,
     parse_diff,
 )
-from moe_release.series.patches import Patch, name_of, patch_stem
+from moe_release.series.patches import Patch, patch_stem, primary_name
 from moe_release.series.probes import failures
 from moe_release.series.topics import load_topics
 
@@ -215,13 +215,6 @@ def merge_series(
 
 
 State = tuple[Patch, Files, Files]
-
-
-def primary_name(patch: Patch) -> str:
-    """The primary series' patch ``patch`` is: ``<name>.patch`` of the name it carries (the same
-    in every series), or its file name where it carries none (a plain git branch's commit)."""
-    name = name_of(patch)
-    return f"{name}.patch" if name else patch.name
 
 
 def carries_all(states: Sequence[State], nearest: Sequence[State]) -> bool:

@@ -289,6 +289,13 @@ def name_of(patch: Patch) -> Optional[str]:
     return names[0].strip() if names else None
 
 
+def primary_name(patch: Patch) -> str:
+    """The primary series' patch ``patch`` is: ``<name>.patch`` of the name it carries (the same
+    in every series), or its file name where it carries none (a plain git branch's commit)."""
+    name = name_of(patch)
+    return f"{name}.patch" if name else patch.name
+
+
 def name_problems(patch: Patch) -> list[str]:
     """What is wrong with a patch's name: one ``Patch-Name:``, lower-case words joined by
     ``-``, and its file called ``<name>.patch``."""

@@ -49,7 +49,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from moe_release.common import REPO_ROOT, UserError
-from moe_release.series.patches import name_of, parse_patch
+from moe_release.series import patches
+from moe_release.series.patches import parse_patch
 from moe_release.series.pins import Base, load_pins
 from moe_release.series.repo import read_series
 from moe_release.series.source import read_base_files
@@ -182,8 +183,7 @@ def _nodeids(entry: dict, key: str) -> List[str]:
 
 def primary_name(name: str, data: bytes) -> str:
     """The primary patch a series patch is (the name it carries, the same in every series)."""
-    carried = name_of(parse_patch(data, name))
-    return f"{carried}.patch" if carried else name
+    return patches.primary_name(parse_patch(data, name))
 
 
 def standin_checkout(root: Path, megatron: Path, tests_dir: Path = UPSTREAM_TESTS) -> Path:
